@@ -1,0 +1,65 @@
+"""Shared pieces of the GPU benchmarks: a true-size random ERNIE-Image DiT, CUDA timing, environment setup."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+# DESIGN.md §2: the released 8B DiT.
+TRUE_DIT = dict(
+    hidden_size=4096, num_attention_heads=32, num_layers=36, ffn_hidden_size=12288, in_channels=128,
+    out_channels=128, text_in_dim=3072, rope_axes_dim=(32, 48, 48),
+)
+
+
+def use_comfyui(comfy_dir: Path = REPO / ".cache" / "comfyui") -> None:
+    """Import ComfyUI's core (GPU mode) and the pack as ``comfyui_ernie_image``, as the tests do."""
+    import importlib.util
+
+    sys.argv = sys.argv[:1]
+    sys.path.insert(0, str(comfy_dir))
+    spec = importlib.util.spec_from_file_location(
+        "comfyui_ernie_image", REPO / "__init__.py", submodule_search_locations=[str(REPO)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["comfyui_ernie_image"] = module
+    spec.loader.exec_module(module)
+
+
+@torch.no_grad()
+def random_true_size_dit(dtype: torch.dtype = torch.bfloat16, device: str = "cuda", **overrides):
+    """The 8B DiT with normal(0, 0.02) weights (norms at 1): speed does not depend on weight values."""
+    from diffusers import ErnieImageTransformer2DModel
+
+    with torch.device("meta"):
+        model = ErnieImageTransformer2DModel(**{**TRUE_DIT, **overrides})
+    model = model.to_empty(device=device).to(dtype)
+    for name, param in model.named_parameters():
+        if "norm" in name and name.endswith("weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def cuda_time(fn, repeats: int = 1) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` runs, synchronised."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def machine() -> str:
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return f"{name}, torch {torch.__version__}, {os.cpu_count()} CPUs"

@@ -1,0 +1,1 @@
+"""The pack's package: one folder per feature (``pe``, ``dit``, ``text``, ``accel``)."""

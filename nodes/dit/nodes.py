@@ -1,0 +1,148 @@
+"""Loader and scheduler nodes for the ERNIE-Image DiT (schemas and plumbing only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import comfy.model_management
+import torch
+from comfy_api.v0_0_2 import io
+
+from ..paths import (
+    SNAPSHOT_PREFIX,
+    check_choice,
+    model_file_path,
+    safetensors_names,
+    snapshot_names,
+    snapshot_path,
+)
+from ..pe.local import LocalPromptEnhancer
+from ..pe.nodes import ErniePEType
+from ..text.managed import ManagedTextEncoder
+from ..text.nodes import ErnieTextEncoderType
+from .model import make_model_patcher
+from .schedule import DEFAULT_SHIFT, reference_sigmas, snapshot_shift
+from .vae import load_snapshot_vae
+from .weights import load_transformer
+
+WEIGHT_DTYPES = {"default": None, "bf16": torch.bfloat16, "fp32": torch.float32}
+QUANTIZATION_METHODS = ["none"]
+
+
+def _weight_dtype(choice: str) -> torch.dtype:
+    """The DiT's dtype: the user's choice, or ComfyUI's pick for the device (bf16 on recent GPUs, fp32 on CPU)."""
+    if WEIGHT_DTYPES[choice] is not None:
+        return WEIGHT_DTYPES[choice]
+    return comfy.model_management.unet_dtype(supported_dtypes=[torch.bfloat16, torch.float32])
+
+
+def _load_model(path: Path, weight_dtype: str, shift: float):
+    return make_model_patcher(load_transformer(path, _weight_dtype(weight_dtype)), shift)
+
+
+def _weight_inputs() -> list:
+    return [
+        io.Combo.Input("weight_dtype", options=list(WEIGHT_DTYPES), default="default",
+                       tooltip="default: bf16 on GPUs that run it well, fp32 on the CPU."),
+        io.Combo.Input("quantization", options=QUANTIZATION_METHODS, default="none",
+                       tooltip="Quantize the DiT's linear layers at load time."),
+    ]
+
+
+class ErnieImageLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ErnieImageLoader",
+            display_name="ERNIE-Image Loader (snapshot)",
+            category="ERNIE-Image/loaders",
+            description="Loads a Hugging Face ERNIE-Image snapshot from models/diffusers: DiT, text encoder, VAE "
+            "and, when the snapshot has one, the Prompt Enhancer. Samples like diffusers (shift 4.0, text mask).",
+            inputs=[
+                io.Combo.Input("model_name", options=snapshot_names(),
+                               tooltip="A snapshot folder under models/diffusers (baidu/ERNIE-Image(-Turbo))."),
+                *_weight_inputs(),
+            ],
+            outputs=[
+                io.Model.Output(),
+                ErnieTextEncoderType.Output(display_name="TEXT_ENCODER"),
+                io.Vae.Output(),
+                ErniePEType.Output(display_name="PE"),
+            ],
+        )
+
+    @classmethod
+    def validate_inputs(cls, model_name: str) -> bool | str:
+        return check_choice(model_name, snapshot_names(), "diffusers")
+
+    @classmethod
+    def execute(cls, model_name: str, weight_dtype: str = "default", quantization: str = "none") -> io.NodeOutput:
+        snapshot = snapshot_path(model_name)
+        model = _load_model(snapshot, weight_dtype, snapshot_shift(snapshot))
+        return io.NodeOutput(
+            model,
+            ManagedTextEncoder.from_snapshot(snapshot),
+            load_snapshot_vae(snapshot),
+            LocalPromptEnhancer.from_snapshot(snapshot),
+        )
+
+
+def _dit_choices() -> list[str]:
+    return safetensors_names("diffusion_models") + [SNAPSHOT_PREFIX + n for n in snapshot_names()]
+
+
+class ErnieImageDiTLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        options = _dit_choices()
+        return io.Schema(
+            node_id="ErnieImageDiTLoader",
+            display_name="ERNIE-Image DiT Loader",
+            category="ERNIE-Image/loaders",
+            description="Loads the ERNIE-Image diffusion transformer from models/diffusion_models (the ComfyUI "
+            "repack) or from a snapshot folder's transformer/ (listed as diffusers/<name>).",
+            inputs=[
+                io.Combo.Input("model_name", options=options,
+                               tooltip="ernie-image(-turbo).safetensors, or diffusers/<snapshot folder>."),
+                *_weight_inputs(),
+            ],
+            outputs=[io.Model.Output()],
+        )
+
+    @classmethod
+    def validate_inputs(cls, model_name: str) -> bool | str:
+        return check_choice(model_name, _dit_choices(), "diffusion_models")
+
+    @classmethod
+    def execute(cls, model_name: str, weight_dtype: str = "default", quantization: str = "none") -> io.NodeOutput:
+        if model_name.startswith(SNAPSHOT_PREFIX):
+            snapshot = snapshot_path(model_name[len(SNAPSHOT_PREFIX):])
+            return io.NodeOutput(_load_model(snapshot, weight_dtype, snapshot_shift(snapshot)))
+        return io.NodeOutput(_load_model(model_file_path("diffusion_models", model_name), weight_dtype, DEFAULT_SHIFT))
+
+
+class ErnieImageScheduler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ErnieImageScheduler",
+            display_name="ERNIE-Image Scheduler",
+            category="ERNIE-Image",
+            description="The exact sigmas of diffusers' ErnieImagePipeline: shift applied to linspace(1, 0, steps+1). "
+            "Turbo: 8 steps; Base: 50 steps.",
+            inputs=[
+                io.Model.Input("model", tooltip="The model to sample (orders this node after the loader, like "
+                               "core's BasicScheduler)."),
+                io.Int.Input("steps", default=8, min=1, max=1000),
+                io.Float.Input("shift", default=DEFAULT_SHIFT, min=0.01, max=100.0, step=0.01,
+                               tooltip="4.0 is ERNIE-Image's trained shift (ComfyUI's native ERNIE uses 3.0)."),
+            ],
+            outputs=[io.Sigmas.Output()],
+        )
+
+    @classmethod
+    def execute(cls, model, steps: int, shift: float) -> io.NodeOutput:
+        return io.NodeOutput(reference_sigmas(steps, shift))
+
+
+DIT_NODES = [ErnieImageLoader, ErnieImageDiTLoader, ErnieImageScheduler]

@@ -1,0 +1,36 @@
+"""The ERNIE-Image VAE as a core ComfyUI VAE that decodes exactly like the diffusers pipeline (adapter)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import comfy.sd
+
+from ..errors import ErnieImageError
+from .weights import read_safetensors
+
+# The VAE's batch-norm epsilon as trained and as diffusers applies it; ComfyUI's Flux.2 VAE assumes 1e-4,
+# which shifts every decoded latent channel whose running variance is small.
+TRAINED_BN_EPS = 1e-5
+
+
+def load_vae(path: Path) -> comfy.sd.VAE:
+    """A core ``VAE`` from the Flux.2 VAE weights (diffusers or ComfyUI keys), with the trained BN epsilon."""
+    vae = comfy.sd.VAE(sd=read_safetensors(path))
+    if getattr(vae.first_stage_model, "bn", None) is None:
+        raise ErnieImageError(
+            f"{path} is not the Flux.2 VAE that ERNIE-Image uses (no batch-norm latent statistics). "
+            "Use the vae/ of an ERNIE-Image snapshot or flux2-vae.safetensors."
+        )
+    vae.first_stage_model.bn_eps = TRAINED_BN_EPS
+    return vae
+
+
+def load_snapshot_vae(snapshot: Path) -> comfy.sd.VAE:
+    path = snapshot / "vae" / "diffusion_pytorch_model.safetensors"
+    if not path.is_file():
+        raise ErnieImageError(
+            f"The snapshot {snapshot} has no vae/diffusion_pytorch_model.safetensors. "
+            "The download is incomplete: download the whole snapshot."
+        )
+    return load_vae(path)

@@ -1,0 +1,151 @@
+"""Find and read ERNIE-Image DiT weights in the layouts users download (engine: no ComfyUI here).
+
+- a Hugging Face snapshot (``baidu/ERNIE-Image``, ``-Turbo``): ``<snapshot>/transformer/`` with a config
+  and (sharded) safetensors, read by diffusers' own ``from_pretrained``;
+- one ``.safetensors`` file with diffusers' DiT keys (the ComfyUI repack ``ernie-image-turbo.safetensors``);
+  it has no config, so the architecture is read off the tensor shapes.
+
+Only safetensors are read: no pickles, no remote code.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+
+from ..errors import ErnieImageError
+
+# A key every ERNIE-Image DiT has and no other model in ComfyUI's folders does.
+MARKER_KEY = "layers.0.adaLN_sa_ln.weight"
+
+
+def _unreadable(path: Path, error: Exception) -> ErnieImageError:
+    return ErnieImageError(
+        f"Cannot read {path} ({error}). The file is damaged or incomplete (an interrupted download?): "
+        "download it again."
+    )
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of one safetensors file, or an error that names the file when it cannot be read."""
+    if not path.is_file():
+        raise ErnieImageError(f"Model file not found: {path}. Put it there or pick another file.")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise _unreadable(path, e) from e
+
+
+def check_safetensors_files(folder: Path) -> None:
+    """Parse the header of every safetensors file in ``folder``: safetensors checks there that the file is
+    as long as its header says, so a truncated shard fails here, cheaply, with its name."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ErnieImageError(
+            f"No .safetensors weights in {folder}. Download the model's weights (only safetensors are loaded)."
+        )
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise _unreadable(f, e) from e
+
+
+def _describe_foreign(keys: list[str]) -> str:
+    """A guess at what a wrong file holds, to make the error useful."""
+    if any(k.startswith(("double_blocks.", "model.diffusion_model.double_blocks.")) for k in keys):
+        return "it looks like a Flux model"
+    if any(k.startswith(("encoder.", "decoder.")) for k in keys):
+        return "it looks like a VAE"
+    if any(".self_attn." in k for k in keys):
+        return "it looks like a text encoder or language model"
+    if any(k.startswith(("model.diffusion_model.", "input_blocks.")) for k in keys):
+        return "it looks like a Stable Diffusion checkpoint"
+    return f"its first keys are {keys[:3]}"
+
+
+def config_from_state_dict(state_dict: dict[str, torch.Tensor], source: str) -> dict:
+    """The ``ErnieImageTransformer2DModel`` config that matches these weights, read off their shapes."""
+    keys = list(state_dict)
+    if MARKER_KEY not in state_dict:
+        raise ErnieImageError(
+            f"{source} is not an ERNIE-Image diffusion model ({_describe_foreign(keys)}). "
+            "Pick ernie-image.safetensors or ernie-image-turbo.safetensors (or a snapshot folder)."
+        )
+    proj = state_dict["x_embedder.proj.weight"]  # [hidden, in_channels, p, p]
+    hidden, in_channels, patch = proj.shape[0], proj.shape[1], proj.shape[2]
+    head_dim = state_dict["layers.0.self_attention.norm_q.weight"].shape[0]
+    num_layers = 1 + max(int(m.group(1)) for k in keys if (m := re.match(r"layers\.(\d+)\.", k)))
+    text_proj = state_dict.get("text_proj.weight")
+    return {
+        "hidden_size": hidden,
+        "num_attention_heads": hidden // head_dim,
+        "num_layers": num_layers,
+        "ffn_hidden_size": state_dict["layers.0.mlp.gate_proj.weight"].shape[0],
+        "in_channels": in_channels,
+        "out_channels": state_dict["final_linear.weight"].shape[0] // (patch * patch),
+        "patch_size": patch,
+        "text_in_dim": text_proj.shape[1] if text_proj is not None else hidden,
+        # The released model splits its 128-wide heads as (32, 48, 48); other head sizes keep those proportions.
+        "rope_axes_dim": (head_dim // 4, head_dim * 3 // 8, head_dim * 3 // 8),
+    }
+
+
+def load_single_file(path: Path, dtype: torch.dtype):
+    """An ``ErnieImageTransformer2DModel`` from one safetensors file with diffusers' keys."""
+    from diffusers import ErnieImageTransformer2DModel
+
+    state_dict = {k: v.to(dtype) for k, v in read_safetensors(path).items()}
+    config = config_from_state_dict(state_dict, str(path))
+    with torch.device("meta"):
+        model = ErnieImageTransformer2DModel(**config)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
+    if missing or unexpected:
+        raise ErnieImageError(
+            f"{path} does not match the ERNIE-Image architecture (missing {missing[:3]}, unexpected {unexpected[:3]}). "
+            "The file is from another model version or damaged: download it again."
+        )
+    return model.eval()
+
+
+def load_transformer_folder(folder: Path, dtype: torch.dtype):
+    """An ``ErnieImageTransformer2DModel`` from a diffusers ``transformer/`` folder (config + safetensors)."""
+    from diffusers import ErnieImageTransformer2DModel
+
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ErnieImageError(f"{folder} has no config.json: it is not a diffusers model folder. Download it again.")
+    class_name = json.loads(config_path.read_text()).get("_class_name")
+    if class_name != "ErnieImageTransformer2DModel":
+        raise ErnieImageError(
+            f"{folder} holds a {class_name}, not an ERNIE-Image transformer. Pick an ERNIE-Image snapshot folder."
+        )
+    check_safetensors_files(folder)
+    try:
+        model = ErnieImageTransformer2DModel.from_pretrained(folder, dtype=dtype, use_safetensors=True)
+    except (OSError, ValueError, SafetensorError) as e:
+        raise ErnieImageError(f"Cannot load the transformer in {folder} ({e}). Download it again.") from e
+    return model.eval()
+
+
+def load_transformer(path: Path, dtype: torch.dtype):
+    """The DiT from a snapshot folder, its ``transformer/`` folder, or a single safetensors file."""
+    if path.is_dir():
+        if (path / "model_index.json").is_file():
+            transformer_dir = path / "transformer"
+            if not transformer_dir.is_dir():
+                raise ErnieImageError(
+                    f"The snapshot {path} has no transformer/ folder. The download is incomplete: "
+                    "download the whole snapshot (baidu/ERNIE-Image or baidu/ERNIE-Image-Turbo)."
+                )
+            return load_transformer_folder(transformer_dir, dtype)
+        return load_transformer_folder(path, dtype)
+    if path.suffix != ".safetensors":
+        raise ErnieImageError(f"{path} is not a .safetensors file; only safetensors weights are loaded.")
+    return load_single_file(path, dtype)

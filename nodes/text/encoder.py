@@ -1,0 +1,69 @@
+"""ERNIE-Image's text encoder: Mistral3's language model, second-to-last hidden state per prompt (engine).
+
+As in ``ErnieImagePipeline.encode_prompt``: the tokenizer adds its special tokens, no chat template, no
+padding; an empty prompt becomes the BOS token; the embedding is ``hidden_states[-2]`` of shape ``[T, D]``.
+The vision tower of the checkpoint is never used, so it is dropped after loading.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import ErnieImageError
+
+TEXT_ENCODER_CLASSES = ("Mistral3Model", "Mistral3ForConditionalGeneration")
+
+
+class ErnieTextEncoder:
+    """A tokenizer and the language model that turns prompts into ERNIE-Image text embeddings."""
+
+    def __init__(self, language_model: torch.nn.Module, tokenizer):
+        self.language_model = language_model.eval()
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_snapshot(cls, snapshot: Path, dtype: torch.dtype) -> ErnieTextEncoder:
+        """Load ``text_encoder/`` and ``tokenizer/`` of an ERNIE-Image snapshot (safetensors only)."""
+        from transformers import AutoTokenizer, Mistral3Model
+
+        encoder_dir, tokenizer_dir = snapshot / "text_encoder", snapshot / "tokenizer"
+        for folder in (encoder_dir, tokenizer_dir):
+            if not folder.is_dir():
+                raise ErnieImageError(
+                    f"The snapshot {snapshot} has no {folder.name}/ folder. The download is incomplete: "
+                    "download the whole snapshot."
+                )
+        config_path = encoder_dir / "config.json"
+        architectures = []
+        if config_path.is_file():
+            architectures = json.loads(config_path.read_text()).get("architectures") or []
+        if not set(architectures) & set(TEXT_ENCODER_CLASSES):
+            raise ErnieImageError(
+                f"{encoder_dir} holds {architectures or 'no model config'}, not ERNIE-Image's Mistral3 text encoder."
+            )
+        try:
+            model = Mistral3Model.from_pretrained(encoder_dir, dtype=dtype, use_safetensors=True)
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        except (OSError, ValueError) as e:
+            raise ErnieImageError(f"Cannot load the text encoder in {snapshot} ({e}). Download it again.") from e
+        return cls(model.language_model, tokenizer)
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.language_model.config.hidden_size
+
+    def token_ids(self, text: str) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=True, truncation=True, padding=False)["input_ids"]
+        if not ids:
+            ids = [self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else 0]
+        return ids
+
+    @torch.no_grad()
+    def encode(self, text: str, device: torch.device) -> torch.Tensor:
+        """The ``[T, D]`` embedding of one prompt, computed on ``device``."""
+        input_ids = torch.tensor([self.token_ids(text)], device=device)
+        outputs = self.language_model(input_ids=input_ids, output_hidden_states=True)
+        return outputs.hidden_states[-2][0]

@@ -1,0 +1,132 @@
+"""A real headless ComfyUI server in a subprocess, with the pack installed as a custom node.
+
+Used by the tests and by the main job (``run_workflow.py``)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class PromptResult:
+    """What the server recorded for one prompt: its status, outputs and any execution error."""
+
+    prompt_id: str
+    status: str
+    outputs: dict
+    messages: list = field(default_factory=list)
+
+    @property
+    def error(self) -> dict | None:
+        for kind, data in self.messages:
+            if kind == "execution_error":
+                return data
+        return None
+
+
+class ComfyServer:
+    """Starts ComfyUI's ``main.py`` on a free port with its own base directory; talks to it over HTTP."""
+
+    def __init__(self, comfy_dir: Path, base_dir: Path, custom_nodes_dir: Path, models_dir: Path, cpu: bool = True):
+        self.comfy_dir = comfy_dir
+        self.base_dir = base_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = base_dir / "server.log"
+        frontend = base_dir / "frontend"
+        frontend.mkdir(parents=True, exist_ok=True)
+        (frontend / "index.html").write_text("<html>headless</html>")
+        paths = base_dir / "paths.yaml"
+        model_folders = "\n".join(
+            f"  {name}: {models_dir / name}"
+            for name in ("diffusers", "diffusion_models", "text_encoders", "vae", "checkpoints")
+        )
+        paths.write_text(f"ernie:\n  base_path: {base_dir}\n  custom_nodes: {custom_nodes_dir}\n{model_folders}\n")
+        self.args = [
+            sys.executable, "main.py", *(["--cpu"] if cpu else []), "--listen", "127.0.0.1", "--port", str(self.port),
+            "--disable-auto-launch", "--disable-api-nodes", "--front-end-root", str(frontend),
+            "--base-directory", str(base_dir), "--extra-model-paths-config", str(paths),
+        ]
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 180.0) -> None:
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(self.args, cwd=self.comfy_dir, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited at start:\n{self.log()}")
+            try:
+                if requests.get(f"{self.url}/object_info/ErnieImageLoader", timeout=2).ok:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"ComfyUI did not start in {timeout}s:\n{self.log()}")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+            self._log.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def object_info(self) -> dict:
+        return requests.get(f"{self.url}/object_info", timeout=30).json()
+
+    def submit(self, prompt: dict) -> requests.Response:
+        """POST /prompt; a 400 carries ComfyUI's validation errors (``node_errors``)."""
+        return requests.post(f"{self.url}/prompt", json={"prompt": prompt, "client_id": uuid.uuid4().hex}, timeout=30)
+
+    def wait(self, prompt_id: str, timeout: float = 300.0) -> PromptResult:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            history = requests.get(f"{self.url}/history/{prompt_id}", timeout=30).json()
+            if prompt_id in history:
+                entry = history[prompt_id]
+                status = entry.get("status", {})
+                return PromptResult(prompt_id, status.get("status_str", "?"), entry.get("outputs", {}),
+                                    status.get("messages", []))
+            time.sleep(0.2)
+        raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout}s:\n{self.log()[-4000:]}")
+
+    def run(self, prompt: dict, timeout: float = 300.0) -> PromptResult:
+        response = self.submit(prompt)
+        assert response.status_code == 200, json.dumps(response.json(), indent=1)
+        return self.wait(response.json()["prompt_id"], timeout)
+
+    def queue_remaining(self) -> int:
+        return requests.get(f"{self.url}/prompt", timeout=30).json()["exec_info"]["queue_remaining"]
+
+    def interrupt(self) -> None:
+        requests.post(f"{self.url}/interrupt", timeout=30)
+
+    def free(self) -> None:
+        requests.post(f"{self.url}/free", json={"unload_models": True, "free_memory": True}, timeout=30)
+
+    def output_images(self, result: PromptResult) -> list[Path]:
+        paths = []
+        for node_output in result.outputs.values():
+            for image in node_output.get("images", []):
+                paths.append(self.base_dir / "output" / image.get("subfolder", "") / image["filename"])
+        return paths

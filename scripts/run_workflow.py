@@ -1,0 +1,106 @@
+"""The main job: run the Turbo example workflow through a headless ComfyUI and report where the image went.
+
+Real weights are used when ``<models>/diffusers/ERNIE-Image-Turbo`` holds a snapshot; otherwise tiny random
+models in the same layout are generated (in ``.cache/tiny-models``) so the whole path runs anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import requests
+import torch
+import websocket
+
+from comfy_headless import ComfyServer
+
+REPO = Path(__file__).resolve().parents[1]
+WORKFLOW = REPO / "tests" / "workflows" / "ernie_image_turbo.json"
+REAL_SNAPSHOT = "ERNIE-Image-Turbo"
+TINY_SNAPSHOT = "ERNIE-Image-Turbo-tiny"
+
+
+def choose_models(models_dir: Path) -> tuple[Path, str, int]:
+    """The models folder, snapshot name and image size to use: real weights if present, else tiny ones."""
+    if (models_dir / "diffusers" / REAL_SNAPSHOT / "model_index.json").is_file():
+        return models_dir, REAL_SNAPSHOT, 1024
+    tiny_dir = REPO / ".cache" / "tiny-models"
+    if not (tiny_dir / "diffusers" / TINY_SNAPSHOT / "model_index.json").is_file():
+        from tiny_models import write_models_folder
+
+        print(f"no snapshot at {models_dir / 'diffusers' / REAL_SNAPSHOT}: generating tiny random models")
+        write_models_folder(tiny_dir)
+    return tiny_dir, TINY_SNAPSHOT, 256
+
+
+def run_with_timings(server: ComfyServer, graph: dict) -> tuple[str, list[tuple[str, float]]]:
+    """Queue ``graph`` and time each node from ComfyUI's ``executing`` events."""
+    client_id = uuid.uuid4().hex
+    ws = websocket.create_connection(f"ws://127.0.0.1:{server.port}/ws?clientId={client_id}", timeout=3600)
+    response = requests.post(f"{server.url}/prompt", json={"prompt": graph, "client_id": client_id}, timeout=60)
+    response.raise_for_status()
+    prompt_id = response.json()["prompt_id"]
+    timings, current, started = [], None, time.perf_counter()
+    while True:
+        message = ws.recv()
+        if not isinstance(message, str):
+            continue
+        event = json.loads(message)
+        if event["type"] == "executing" and event["data"].get("prompt_id") == prompt_id:
+            now = time.perf_counter()
+            if current is not None:
+                timings.append((current, now - started))
+            current, started = event["data"]["node"], now
+            if current is None:
+                break
+        if event["type"] == "execution_error":
+            raise RuntimeError(event["data"]["exception_message"])
+    ws.close()
+    return prompt_id, timings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=Path, default=Path(os.environ.get("ERNIE_MODELS_DIR", REPO / "models")),
+                        help="a ComfyUI models folder (default: $ERNIE_MODELS_DIR or ./models)")
+    parser.add_argument("--comfyui", type=Path, default=REPO / ".cache" / "comfyui")
+    parser.add_argument("--prompt", help="replace the workflow's prompt")
+    args = parser.parse_args()
+
+    models_dir, snapshot, size = choose_models(args.models)
+    graph = json.loads(WORKFLOW.read_text())
+    graph["loader"]["inputs"]["model_name"] = snapshot
+    graph["latent"]["inputs"].update(width=size, height=size)
+    if args.prompt:
+        graph["positive"]["inputs"]["text"] = args.prompt
+
+    base = REPO / "out" / "comfyui"
+    custom_nodes = base / "custom_nodes"
+    custom_nodes.mkdir(parents=True, exist_ok=True)
+    link = custom_nodes / "comfyui-ernie-image"
+    if not link.exists():
+        link.symlink_to(REPO, target_is_directory=True)
+    server = ComfyServer(args.comfyui, base, custom_nodes, models_dir, cpu=not torch.cuda.is_available())
+    t0 = time.perf_counter()
+    server.start()
+    print(f"ComfyUI started in {time.perf_counter() - t0:.1f} s (log: {server.log_path})")
+    try:
+        prompt_id, timings = run_with_timings(server, graph)
+        result = server.wait(prompt_id)
+    finally:
+        server.stop()
+    print(f"\n{snapshot} at {size}x{size}, {graph['sigmas']['inputs']['steps']} steps")
+    for node, seconds in timings:
+        print(f"  {graph[node]['class_type']:<24} {seconds:8.2f} s")
+    print(f"  {'total':<24} {sum(s for _, s in timings):8.2f} s")
+    for path in server.output_images(result):
+        print(f"image: {path}")
+
+
+if __name__ == "__main__":
+    main()

