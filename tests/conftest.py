@@ -71,11 +71,7 @@ def comfy_server(tiny_models, tmp_path_factory):
     """A real headless ComfyUI (subprocess, CPU) with this pack installed under custom_nodes/."""
     from comfy_headless import ComfyServer
 
-    base = tmp_path_factory.mktemp("comfy_base")
-    custom_nodes = base / "custom_nodes"
-    custom_nodes.mkdir()
-    (custom_nodes / "comfyui-ernie-image").symlink_to(REPO, target_is_directory=True)
-    server = ComfyServer(COMFY_DIR, base, custom_nodes, tiny_models["models_dir"])
+    server = ComfyServer(COMFY_DIR, tmp_path_factory.mktemp("comfy_base"), REPO, tiny_models["models_dir"])
     server.start()
     yield server
     server.stop()
