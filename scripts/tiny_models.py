@@ -5,7 +5,8 @@ tiny size with random weights and save them exactly as users find them on disk:
 
 - a Hugging Face snapshot (``model_index.json``, ``transformer/``, ``text_encoder/``, ``tokenizer/``,
   ``vae/``, ``scheduler/``, ``pe/``, ``pe_tokenizer/``) written by ``ErnieImagePipeline.save_pretrained``;
-- ComfyUI repack single files (``diffusion_models/*.safetensors`` with diffusers' DiT keys).
+- ComfyUI repack single files (``diffusion_models/*.safetensors`` with diffusers' DiT keys);
+- the PE under ``text_encoders/``: a Hugging Face folder and a ComfyUI-style single file (tokenizer inside).
 
 Run as a script to write both layouts under a ComfyUI ``models`` folder.
 """
@@ -101,7 +102,8 @@ def _randomise_zero_init(transformer: torch.nn.Module, generator: torch.Generato
 
 # --- Prompt enhancer (PE) -------------------------------------------------------------------------------------------
 # The tiny PE keeps the real geometry where loaders depend on it (Ministral 3's 128-wide heads, tied embeddings) and is
-# shaped so that it writes words: only word tokens and EOS score above zero, and the logits depend on the prompt.
+# shaped so that it writes words: every other token scores exactly zero, words and EOS score around it, depending
+# on the prompt.
 
 # The pre-tokenizer split of GPT-2 byte-level BPE, which the tiny tokenizer uses; tekken files carry theirs.
 _BYTE_LEVEL_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""

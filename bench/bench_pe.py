@@ -1,0 +1,185 @@
+"""Decode speed of the ERNIE-Image Prompt Enhancer (issue: Prompt Enhancer), true size, random weights.
+
+A 3.4B ``Ministral3ForCausalLM`` (the PE's geometry: hidden 3072, 26 layers, 32 heads / 8 KV heads of 128, FFN 9216,
+vocab 131072, tied embeddings) built on the meta device and filled with normal(0, 0.02) in bf16. In one run, for each
+shape (batch x new tokens, ``min_new_tokens`` / ``ignore_eos`` force the length) and after a warm-up at that shape:
+
+- ``generate``: transformers' plain ``generate`` (sampling, temperature 0.6, top-p 0.8);
+- ``static``: the same with ``cache_implementation="static"`` (transformers compiles the decode step itself);
+- ``pack``: the pack's fast path, ``StaticDecoder(compiled=True)``: static KV cache, one compiled decode step with
+  CUDA graphs, top-p sampling on the GPU.
+
+Reports decode tokens/s, time to first token, compile (warm-up minus timed run) and peak memory as a markdown table,
+and writes JSON to ``$OUT/bench_pe.json`` after every measurement. Each measurement is guarded: an error is printed
+and the run goes on.
+
+    cd bench && python3 bench_pe.py
+    cd bench && python3 bench_pe.py --variants pack,static --shapes 1x256,1x1024,4x1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from common import cuda_time, machine, use_comfyui
+
+PE_3B = dict(vocab_size=131072, hidden_size=3072, intermediate_size=9216, num_hidden_layers=26,
+             num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+             bos_token_id=1, eos_token_id=2, pad_token_id=11)
+TEMPERATURE, TOP_P = 0.6, 0.8
+
+
+@torch.no_grad()
+def random_true_size_pe(dtype: torch.dtype = torch.bfloat16, device: str = "cuda"):
+    """The PE with normal(0, 0.02) weights (norms at 1); rotary tables computed for real."""
+    from transformers import Ministral3Config, Ministral3ForCausalLM
+
+    config = Ministral3Config(**PE_3B)
+    with torch.device("meta"):
+        model = Ministral3ForCausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    model.lm_head.weight = model.model.embed_tokens.weight  # keep the tie through to_empty
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02)
+    with torch.device(device):
+        model.model.rotary_emb = type(model.model.rotary_emb)(config)  # its buffers are not parameters
+    return model.eval()
+
+
+def runners(model, decode, protocol) -> dict:
+    """``variant -> run(input_ids, attention_mask, new_tokens)``, all forcing exactly ``new_tokens``."""
+    sampling = dict(do_sample=True, temperature=TEMPERATURE, top_p=TOP_P, pad_token_id=11, eos_token_id=2)
+    fast = decode.StaticDecoder(model, compiled=True)
+
+    def generate(ids, mask, n, **extra):
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, **sampling,
+                              **extra)
+
+    def pack(ids, mask, n):
+        params = protocol.SamplingParams(TEMPERATURE, TOP_P, n, seed=0)
+        return fast.generate(ids, mask, params, [2], 11, lambda: False, lambda done: None, ignore_eos=True)
+
+    return {
+        "generate": generate,
+        "static": lambda ids, mask, n: generate(ids, mask, n, cache_implementation="static"),
+        "pack": pack,
+    }
+
+
+def measure(run, batch: int, new_tokens: int, prompt_tokens: int, device: str) -> dict:
+    ids = torch.randint(1000, PE_3B["vocab_size"], (batch, prompt_tokens), device=device)
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        warm_s = cuda_time(lambda: run(ids, mask, new_tokens))  # compiles and captures at this shape
+        torch.cuda.reset_peak_memory_stats()
+        total_s = cuda_time(lambda: run(ids, mask, new_tokens))
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        ttft_s = cuda_time(lambda: run(ids, mask, 1), repeats=3)
+    decode_s = max(total_s - ttft_s, 1e-9)
+    return {
+        "batch": batch, "new_tokens": new_tokens, "total_s": round(total_s, 3), "ttft_ms": round(ttft_s * 1e3, 1),
+        "decode_tok_s_per_seq": round((new_tokens - 1) / decode_s, 1),
+        "decode_tok_s_total": round(batch * (new_tokens - 1) / decode_s, 1),
+        "warmup_s": round(warm_s, 1), "compile_s": round(max(warm_s - total_s, 0.0), 1), "peak_gib": round(peak, 2),
+    }
+
+
+def agreement(model, decode, protocol, prompt_tokens: int, device: str, new_tokens: int = 200) -> dict:
+    """Greedy tokens of the compiled fast path vs the same loop eager, and vs plain generate (bf16 and random
+    weights make near-ties: expect long common prefixes, not always identical tails). 200 new tokens after the
+    default prompt stay in the 1x256 run's shape bucket, so this compiles nothing new."""
+    ids = torch.randint(1000, PE_3B["vocab_size"], (1, prompt_tokens), device=device)
+    mask = torch.ones_like(ids)
+    params = protocol.SamplingParams(0.0, 1.0, new_tokens)
+    with torch.inference_mode():
+        outputs = {
+            compiled: decode.StaticDecoder(model, compiled=compiled).generate(
+                ids, mask, params, [2], 11, lambda: False, lambda done: None, ignore_eos=True)[0]
+            for compiled in (False, True)
+        }
+        plain = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, pad_token_id=11)[0, prompt_tokens:]
+
+    def prefix(a, b) -> int:
+        different = (a != b).nonzero()
+        return int(different[0]) if len(different) else len(a)
+
+    return {"tokens": new_tokens, "compiled_vs_eager_prefix": prefix(outputs[True], outputs[False]),
+            "eager_vs_generate_prefix": prefix(outputs[False], plain)}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| variant | batch | new tokens | decode tok/s (per seq) | decode tok/s (all) | TTFT ms | compile s "
+             "| total s | peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | {r['batch']} | {r['new_tokens']} | error: {r['error'][:60]} |||||| ")
+            continue
+        lines.append(f"| {r['variant']} | {r['batch']} | {r['new_tokens']} | {r['decode_tok_s_per_seq']} | "
+                     f"{r['decode_tok_s_total']} | {r['ttft_ms']} | {r['compile_s']} | {r['total_s']} | "
+                     f"{r['peak_gib']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default="generate,static,pack")
+    parser.add_argument("--shapes", default="1x256,1x1024,4x1024", help="batch x new tokens, comma separated")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="Baidu's template + a short prompt ~ 100")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    use_comfyui()  # imports the pack as comfyui_ernie_image (the PE engine itself needs no ComfyUI)
+    import transformers
+
+    from comfyui_ernie_image.nodes.pe import decode, protocol
+
+    started = time.time()
+    model = random_true_size_pe(device=args.device)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    report = {"date": datetime.date.today().isoformat(), "machine": machine(), "transformers": transformers.__version__,
+              "weights_gb": round(weights / 1e9, 2), "prompt_tokens": args.prompt_tokens, "rows": [], "checks": {}}
+    print(f"{report['machine']}, transformers {transformers.__version__}; PE weights {weights / 1e9:.2f} GB "
+          f"({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters)", flush=True)
+    out = Path(os.environ["OUT"]) / "bench_pe.json" if os.environ.get("OUT") else None
+
+    def save() -> None:
+        if out is not None:
+            out.write_text(json.dumps(report, indent=1))
+
+    run_of = runners(model, decode, protocol)
+    shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
+    for variant in args.variants.split(","):
+        for batch, new_tokens in shapes:
+            row = {"variant": variant, "batch": batch, "new_tokens": new_tokens}
+            try:
+                row.update(measure(run_of[variant], batch, new_tokens, args.prompt_tokens, args.device))
+            except Exception as error:  # one run on a lent machine: record and go on
+                traceback.print_exc()
+                row["error"] = f"{type(error).__name__}: {error}"
+            report["rows"].append(row)
+            print(f"[{time.time() - started:6.0f} s] {row}", flush=True)
+            save()
+    try:
+        report["checks"]["greedy_agreement"] = agreement(model, decode, protocol, args.prompt_tokens, args.device)
+    except Exception as error:
+        traceback.print_exc()
+        report["checks"]["greedy_agreement"] = f"{type(error).__name__}: {error}"
+    save()
+    print(f"\ngreedy agreement: {report['checks']['greedy_agreement']}")
+    print(f"weights read per token: {weights / 1e9:.2f} GB; at 4.3 TB/s that bounds batch-1 decode at "
+          f"{4.3e12 / weights:.0f} tok/s\n")
+    print(table(report["rows"]))
+
+
+if __name__ == "__main__":
+    main()

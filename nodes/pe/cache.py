@@ -1,0 +1,128 @@
+"""The result cache: enhanced prompts in memory and in an SQLite file, keyed by the backend's identity, the prompt, the
+image size, the sampling parameters and the seed. Bounded; a corrupt file is set aside and rebuilt, never a crash."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sqlite3
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+from .protocol import Completion, EnhancerError, PromptEnhancer, PromptSpec, SamplingParams
+
+_SCHEMA = "CREATE TABLE IF NOT EXISTS results (key TEXT PRIMARY KEY, text TEXT NOT NULL, truncated INTEGER NOT NULL, "
+_SCHEMA += "used REAL NOT NULL)"
+
+
+def cache_key(identity: str, spec: PromptSpec, params: SamplingParams) -> str:
+    """Everything the text depends on, hashed."""
+    fields = [identity, spec.prompt, spec.width, spec.height, params.temperature, params.top_p,
+              params.max_new_tokens, params.seed]
+    return hashlib.sha256(json.dumps(fields, ensure_ascii=False).encode()).hexdigest()
+
+
+class ResultCache:
+    """An LRU in memory in front of an SQLite file (``path`` None: memory only). Thread-safe."""
+
+    def __init__(self, path: Path | None, max_entries: int = 20_000, memory_entries: int = 512):
+        self.path, self.max_entries, self.memory_entries = path, max_entries, memory_entries
+        self._memory: OrderedDict[str, Completion] = OrderedDict()
+        self._lock = threading.Lock()
+        self._db: sqlite3.Connection | None = None
+
+    def get(self, key: str) -> Completion | None:
+        with self._lock:
+            if key in self._memory:
+                self._memory.move_to_end(key)
+                return self._memory[key]
+            row = self._query("SELECT text, truncated FROM results WHERE key = ?", (key,))
+            if row is None:
+                return None
+            self._query("UPDATE results SET used = ? WHERE key = ?", (time.time(), key))
+            completion = Completion(row[0], bool(row[1]))
+            self._remember(key, completion)
+            return completion
+
+    def put(self, key: str, completion: Completion) -> None:
+        with self._lock:
+            self._remember(key, completion)
+            self._query("INSERT OR REPLACE INTO results VALUES (?, ?, ?, ?)",
+                        (key, completion.text, int(completion.truncated), time.time()))
+            count = self._query("SELECT COUNT(*) FROM results")
+            if count is not None and count[0] > self.max_entries:
+                self._query("DELETE FROM results WHERE key IN (SELECT key FROM results ORDER BY used LIMIT ?)",
+                            (count[0] - self.max_entries,))
+
+    def _remember(self, key: str, completion: Completion) -> None:
+        self._memory[key] = completion
+        self._memory.move_to_end(key)
+        while len(self._memory) > self.memory_entries:
+            self._memory.popitem(last=False)
+
+    def _query(self, sql: str, args: tuple = ()) -> tuple | None:
+        """Run one statement on the file; a corrupt file is set aside and rebuilt, an unusable one is skipped."""
+        for attempt in range(2):
+            try:
+                db = self._connect()
+                if db is None:
+                    return None
+                with db:
+                    return db.execute(sql, args).fetchone()
+            except sqlite3.DatabaseError as error:
+                self._set_aside(error, final=attempt == 1)
+        return None
+
+    def _connect(self) -> sqlite3.Connection | None:
+        if self._db is None and self.path is not None:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                logging.warning("ERNIE-Image PE cache: cannot use %s (%s); caching in memory only", self.path, error)
+                self.path = None
+                return None
+            self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=5.0)
+            self._db.execute(_SCHEMA)
+        return self._db
+
+    def _set_aside(self, error: Exception, final: bool) -> None:
+        """Move the bad file out of the way (kept for inspection) so that the next use starts a new one."""
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+        if final:
+            logging.warning("ERNIE-Image PE cache: %s still fails (%s); caching in memory only", self.path, error)
+            self.path = None
+            return
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+        logging.warning("ERNIE-Image PE cache: %s is unreadable (%s); moved to %s, starting a new one", self.path,
+                        error, aside.name)
+        try:
+            self.path.replace(aside)
+        except OSError:
+            pass  # the retry fails the same way and falls back to memory
+
+
+def enhance_cached(
+    enhancer: PromptEnhancer, specs: Sequence[PromptSpec], params: SamplingParams, cache: ResultCache
+) -> list[Completion]:
+    """Enhance ``specs`` in order, asking the backend only for prompts not cached (each distinct one once)."""
+    identity = enhancer.identity
+    keys = [cache_key(identity, spec, params) for spec in specs]
+    found = {key: cache.get(key) for key in dict.fromkeys(keys)}
+    missing = [key for key, completion in found.items() if completion is None]
+    spec_of = dict(zip(keys, specs, strict=True))
+    fresh = enhancer.enhance([spec_of[key] for key in missing], params) if missing else []
+    for key, completion in zip(missing, fresh, strict=True):
+        if not completion.text:
+            raise EnhancerError(f"the prompt enhancer returned no text for {spec_of[key].prompt[:60]!r}")
+        if completion.truncated:
+            logging.warning("ERNIE-Image PE: the enhanced prompt was cut at max_new_tokens=%d; raise it for the "
+                            "full text", params.max_new_tokens)
+        cache.put(key, completion)
+        found[key] = completion
+    return [found[key] for key in keys]

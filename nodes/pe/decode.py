@@ -1,0 +1,228 @@
+"""Token generation for the local PE: seeded top-p sampling, plain ``generate`` and the static-cache fast path.
+
+Both paths draw the same uniform numbers from the seed and sample with the same function, so a seed gives the same
+text on either path (up to floating point), and a prompt's text does not depend on the other prompts of its batch.
+
+The fast path keeps a static KV cache per (batch, length) bucket and runs each decode step, sampling included, as one
+compiled function (``torch.compile(mode="reduce-overhead")``: CUDA graphs on CUDA); Python only launches steps and
+looks at the GPU every ``_SYNC_EVERY`` tokens. Plain torch and transformers, no ComfyUI.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, StaticCache, StoppingCriteria, StoppingCriteriaList
+
+from .protocol import GenerationStopped, SamplingParams
+
+_SYNC_EVERY = 16  # decode steps between looks at the GPU (EOS, progress)
+
+
+def uniform_draws(seed: int, steps: int) -> torch.Tensor:
+    """One uniform number per decode step, the same on every device and for every row of a batch."""
+    return torch.rand(steps, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).float()
+
+
+def sample_top_p(logits: torch.Tensor, u: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Nucleus sampling by inverse CDF: ``logits [B, V]``, ``u`` in [0, 1) → token ids ``[B]``; greedy at 0 degrees.
+
+    The nucleus is the set kept by transformers' ``TopPLogitsWarper``: the most likely tokens whose preceding mass is
+    below ``top_p``. Tensor parameters, so new values do not recompile.
+    """
+    logits = logits.float()
+    probs = torch.softmax(logits / temperature.clamp_min(1e-5), dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    kept = mass_before < top_p
+    kept[:, 0] = True
+    nucleus = sorted_probs * kept
+    cdf = nucleus.cumsum(dim=-1)
+    threshold = u * cdf[:, -1:]
+    choice = (cdf < threshold).sum(dim=-1, keepdim=True).clamp(max=kept.sum(dim=-1, keepdim=True) - 1)
+    sampled = order.gather(-1, choice).squeeze(-1)
+    return torch.where(temperature > 0, sampled, logits.argmax(dim=-1))
+
+
+def _sampling_tensors(params: SamplingParams, device: torch.device) -> tuple[torch.Tensor, ...]:
+    u = uniform_draws(params.seed, params.max_new_tokens).to(device)
+    temperature = torch.tensor(params.temperature, dtype=torch.float32, device=device)
+    top_p = torch.tensor(params.top_p, dtype=torch.float32, device=device)
+    return u, temperature, top_p
+
+
+class _SeededSampler(LogitsProcessor):
+    """Makes ``generate``'s greedy step pick the token ``sample_top_p`` chose (everything else scores -inf)."""
+
+    def __init__(self, params: SamplingParams, prompt_length: int, device: torch.device):
+        self.u, self.temperature, self.top_p = _sampling_tensors(params, device)
+        self.prompt_length = prompt_length
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        step = input_ids.shape[1] - self.prompt_length
+        chosen = sample_top_p(scores, self.u[step], self.temperature, self.top_p)
+        picked = torch.full_like(scores, -float("inf"))
+        return picked.scatter_(1, chosen[:, None], 0.0)
+
+
+class _StopCheck(StoppingCriteria):
+    """Reports progress and ends ``generate`` when the host asks to stop."""
+
+    def __init__(self, should_stop: Callable[[], bool], progress: Callable[[int], None], prompt_length: int):
+        self.should_stop, self.progress, self.prompt_length = should_stop, progress, prompt_length
+        self.stopped = False
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        self.progress(input_ids.shape[1] - self.prompt_length)
+        self.stopped = self.stopped or self.should_stop()
+        return torch.full((input_ids.shape[0],), self.stopped, dtype=torch.bool, device=input_ids.device)
+
+
+def generate_plain(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    params: SamplingParams,
+    eos_ids: list[int],
+    pad_id: int,
+    should_stop: Callable[[], bool],
+    progress: Callable[[int], None],
+) -> torch.Tensor:
+    """transformers' ``generate`` with the seeded sampler; returns the new tokens ``[B, T]``, pad after EOS."""
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=params.max_new_tokens, eos_token_id=eos_ids, pad_token_id=pad_id
+    )
+    prompt_length = input_ids.shape[1]
+    stop = _StopCheck(should_stop, progress, prompt_length)
+    output = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        generation_config=config,
+        logits_processor=[_SeededSampler(params, prompt_length, input_ids.device)],
+        stopping_criteria=StoppingCriteriaList([stop]),
+    )
+    if stop.stopped:
+        raise GenerationStopped("generation was interrupted")
+    return output[:, prompt_length:]
+
+
+def _decode_step(model, cache_kwargs, token, position, mask, u, temperature, top_p) -> torch.Tensor:
+    """One token for every row: the forward pass on the static cache, then sampling, all on the device."""
+    logits = model(
+        input_ids=token[:, None], attention_mask=mask, position_ids=position[:, None], use_cache=True, **cache_kwargs
+    ).logits[:, -1]
+    return sample_top_p(logits, u, temperature, top_p)
+
+
+_compiled_step: Callable | None = None
+
+
+def _compiled_decode_step() -> Callable:
+    """The decode step compiled once per process (CUDA graphs per shape bucket, re-recorded if weights move)."""
+    global _compiled_step
+    if _compiled_step is None:
+        logging.info("ERNIE-Image PE: the decode step compiles on first use of each shape bucket (about a minute)")
+        _compiled_step = torch.compile(_decode_step, mode="reduce-overhead", dynamic=False)
+    return _compiled_step
+
+
+def _bucket(n: int, minimum: int) -> int:
+    """The next power of two: few distinct shapes, so few compilations."""
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+def kv_cache_bytes(config, rows: int, length: int, dtype: torch.dtype) -> int:
+    """Memory a KV cache of ``rows`` sequences of ``length`` tokens takes (for the host's memory planning)."""
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    return rows * length * per_token * torch.empty((), dtype=dtype).element_size()
+
+
+class StaticDecoder:
+    """The fast path: a static KV cache per shape bucket and a decode step that is compiled (or eager, for tests)."""
+
+    def __init__(self, model: torch.nn.Module, compiled: bool):
+        self.model = model
+        self.compiled = compiled
+        params = inspect.signature(type(model).forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.24 renamed it
+        self._caches: dict[tuple[int, int], StaticCache] = {}
+
+    @staticmethod
+    def shape(batch: int, prompt_length: int, max_new_tokens: int) -> tuple[int, int]:
+        """The (batch, cache length) bucket a request runs in."""
+        return _bucket(batch, 1), _bucket(prompt_length + max_new_tokens, 256)
+
+    def release(self) -> None:
+        """Drop the KV caches (when the weights leave the device)."""
+        self._caches.clear()
+
+    def _cache(self, rows: int, length: int) -> StaticCache:
+        cache = self._caches.get((rows, length))
+        if cache is None:
+            cache = self._caches[(rows, length)] = StaticCache(config=self.model.config, max_cache_len=length)
+        else:
+            cache.reset()
+        return cache
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        params: SamplingParams,
+        eos_ids: list[int],
+        pad_id: int,
+        should_stop: Callable[[], bool],
+        progress: Callable[[int], None],
+        ignore_eos: bool = False,
+    ) -> torch.Tensor:
+        """New tokens ``[B, T]`` for left-padded prompts (a row goes on after its EOS until all rows have one: cut
+        at the first EOS); ``ignore_eos`` runs all ``max_new_tokens`` (benchmarks)."""
+        batch, prompt_length = input_ids.shape
+        rows, length = self.shape(batch, prompt_length, params.max_new_tokens)
+        device = input_ids.device
+        # Spare rows of the batch bucket repeat the first prompt; their tokens are dropped.
+        spare = rows - batch
+        input_ids = torch.cat([input_ids, input_ids[:1].expand(spare, -1)])
+        attention_mask = torch.cat([attention_mask, attention_mask[:1].expand(spare, -1)])
+        # One mask for the whole run: prompt padding is 0, every later slot 1 (causality hides the future).
+        mask = torch.ones(rows, length, dtype=attention_mask.dtype, device=device)
+        mask[:, :prompt_length] = attention_mask
+        positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+        cache_kwargs = {self._cache_arg: self._cache(rows, length)}
+        u, temperature, top_p = _sampling_tensors(params, device)
+        eos = torch.tensor(eos_ids, device=device)
+
+        logits = self.model(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+            **cache_kwargs,
+        ).logits[:, -1]
+        token = sample_top_p(logits, u[0], temperature, top_p)
+        tokens = torch.full((rows, params.max_new_tokens), pad_id, dtype=torch.long, device=device)
+        tokens[:, 0] = token
+        finished = torch.isin(token, eos)
+        position = positions[:, -1] + 1
+        step_fn = _compiled_decode_step() if self.compiled else _decode_step
+        steps = 1
+        while steps < params.max_new_tokens:
+            if should_stop():
+                raise GenerationStopped("generation was interrupted")
+            if steps % _SYNC_EVERY == 0:
+                progress(steps)
+                if not ignore_eos and bool(finished[:batch].all()):
+                    break
+            if self.compiled:
+                torch.compiler.cudagraph_mark_step_begin()
+            token = step_fn(self.model, cache_kwargs, token, position, mask, u[steps], temperature, top_p).clone()
+            tokens[:, steps] = token
+            finished |= torch.isin(token, eos)
+            position += 1
+            steps += 1
+        progress(steps)
+        return tokens[:batch, :steps]

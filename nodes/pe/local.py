@@ -1,0 +1,164 @@
+"""The local PE backend: a lazy handle that loads the weights on first use and generates with transformers.
+
+On CUDA with a working compiler, decoding takes the static-cache fast path (``decode.StaticDecoder``); elsewhere
+plain ``generate``. Where the weights live and how generation stops are the host's business (``Runtime``): plain
+torch here, ComfyUI's model management and interrupt in ``comfy_runtime`` when running inside ComfyUI.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .decode import StaticDecoder, generate_plain, kv_cache_bytes
+from .protocol import Completion, GenerationStopped, PromptSpec, SamplingParams
+from .runtime import Runtime, default_runtime
+from .weights import PESource, path_source, snapshot_source
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DECODE_MODES = ("auto", "generate", "static", "static-compiled")
+
+
+def _compiler_available() -> bool:
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:
+        return False
+    return has_triton()
+
+
+class LocalPromptEnhancer:
+    """A lazy handle on local PE weights: nothing is read before the first ``enhance``.
+
+    ``device``: ``"default"`` or a torch device name; ``dtype``: ``"auto"`` or a key of ``DTYPES``; ``decode``: one of
+    ``DECODE_MODES`` (``"auto"``: the compiled static-cache path on CUDA, plain ``generate`` elsewhere).
+    """
+
+    def __init__(
+        self,
+        source: PESource,
+        device: str = "default",
+        dtype: str = "auto",
+        decode: str = "auto",
+        runtime: Runtime | None = None,
+    ):
+        if dtype != "auto" and dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
+        self.source, self.device_name, self.dtype_name, self.decode = source, device, dtype, decode
+        self.runtime = runtime or default_runtime()
+        self._model = self._tokenizer = self._decoder = self._load = None
+
+    @classmethod
+    def from_snapshot(cls, snapshot_dir: Path, **options) -> LocalPromptEnhancer | None:
+        """The PE of an ERNIE-Image snapshot (``pe/`` + ``pe_tokenizer/``), or None when the snapshot has none."""
+        source = snapshot_source(Path(snapshot_dir))
+        return None if source is None else cls(source, **options)
+
+    @classmethod
+    def from_path(cls, path: Path, **options) -> LocalPromptEnhancer:
+        """A PE from a snapshot folder, a Hugging Face folder or ComfyUI's single file."""
+        return cls(path_source(Path(path)), **options)
+
+    @property
+    def identity(self) -> str:
+        return f"local:{self.source.identity()}|{self.dtype_name}"
+
+    @property
+    def loaded(self) -> bool:
+        return self._model is not None
+
+    def __repr__(self) -> str:
+        return f"LocalPromptEnhancer({self.source.weights}, device={self.device_name}, dtype={self.dtype_name})"
+
+    def _ensure_loaded(self) -> None:
+        if self._model is not None:
+            return
+        device = self.runtime.device(self.device_name)
+        dtype = DTYPES.get(self.dtype_name) or _auto_dtype(device)
+        model, tokenizer = self.source.load(dtype)
+        mode = self.decode
+        if mode == "auto":
+            mode = "static-compiled" if device.type == "cuda" and _compiler_available() else "generate"
+        self._decoder = StaticDecoder(model, compiled=mode == "static-compiled") if mode != "generate" else None
+        self._load = self.runtime.manage(model, device, on_unload=self._release_caches)
+        self._model, self._tokenizer, self._device = model, tokenizer, device
+
+    def _release_caches(self) -> None:
+        if self._decoder is not None:
+            self._decoder.release()
+
+    def enhance(self, specs: Sequence[PromptSpec], params: SamplingParams) -> list[Completion]:
+        """Enhance all prompts as one batch; raises the host's interrupt when stopped."""
+        if not specs:
+            return []
+        self._ensure_loaded()
+        input_ids, attention_mask = self._encode(specs)
+        batch, length = input_ids.shape
+        self._load(kv_cache_bytes(self._model.config, *StaticDecoder.shape(batch, length, params.max_new_tokens),
+                                  self._model.dtype))
+        input_ids, attention_mask = input_ids.to(self._device), attention_mask.to(self._device)
+        try:
+            tokens = self._generate(input_ids, attention_mask, params)
+        except GenerationStopped:
+            self.runtime.on_stopped()
+            raise
+        return [self._completion(row, params) for row in tokens.cpu().tolist()]
+
+    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        args = (input_ids, attention_mask, params, self._eos_ids(), self._pad_id(), self.runtime.should_stop,
+                self.runtime.progress(params.max_new_tokens))
+        if self._decoder is not None:
+            try:
+                return self._decoder.generate(*args)
+            except GenerationStopped:
+                raise
+            except Exception as error:  # a compiler or graph failure: keep working, slower
+                if self.decode != "auto":
+                    raise
+                logging.warning("ERNIE-Image PE: fast decoding failed (%s); using plain generate from now on", error)
+                self._decoder = None
+        with torch.inference_mode():
+            return generate_plain(self._model, *args)
+
+    def _encode(self, specs: Sequence[PromptSpec]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chat-template each prompt (no generation prompt) and left-pad them into one batch."""
+        rows = [
+            self._tokenizer.apply_chat_template(
+                spec.messages(), add_generation_prompt=False, tokenize=True, return_dict=True
+            )["input_ids"]
+            for spec in specs
+        ]
+        length = max(map(len, rows))
+        input_ids = torch.tensor([[self._pad_id()] * (length - len(r)) + list(r) for r in rows])
+        attention_mask = torch.tensor([[0] * (length - len(r)) + [1] * len(r) for r in rows])
+        return input_ids, attention_mask
+
+    def _eos_ids(self) -> list[int]:
+        ids = {self._tokenizer.eos_token_id}
+        for value in (self._model.config.eos_token_id, self._model.generation_config.eos_token_id):
+            ids.update(value if isinstance(value, list) else [value])
+        return sorted(i for i in ids if i is not None)
+
+    def _pad_id(self) -> int:
+        for value in (self._tokenizer.pad_token_id, self._model.config.pad_token_id):
+            if value is not None:
+                return value
+        return self._eos_ids()[0]
+
+    def _completion(self, tokens: list[int], params: SamplingParams) -> Completion:
+        eos = set(self._eos_ids())
+        end = next((i for i, t in enumerate(tokens) if t in eos), None)
+        text = self._tokenizer.decode(tokens[:end], skip_special_tokens=True).strip()
+        return Completion(text, truncated=end is None and len(tokens) >= params.max_new_tokens)
+
+
+def _auto_dtype(device: torch.device) -> torch.dtype:
+    """bf16 (the released weights' dtype) on GPUs with bf16 math (sm80+), fp16 on older ones, fp32 on the CPU."""
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16

@@ -1,0 +1,192 @@
+"""Prompt Enhancer nodes: a local PE loader, a remote PE, and the enhance node (schemas and plumbing only)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from pathlib import Path
+
+import folder_paths
+import torch
+from comfy_api.v0_0_2 import io, ui
+
+from ..paths import SNAPSHOT_PREFIX, check_choice, snapshot_names, snapshot_path
+from .cache import ResultCache, enhance_cached
+from .local import DTYPES, LocalPromptEnhancer
+from .protocol import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_P,
+    EnhancerError,
+    PromptSpec,
+    SamplingParams,
+)
+from .remote import RemotePromptEnhancer
+from .runtime import default_runtime
+
+ErniePEType = io.Custom("ERNIE_PE")
+TEXT_ENCODERS_PREFIX = "text_encoders/"
+# Single files under text_encoders that are prompt enhancers (the text encoder file has the same architecture).
+_PE_FILE = re.compile(r"(enhancer|(^|[^a-z])pe([^a-z]|$))", re.IGNORECASE)
+
+
+def _is_pe_folder(folder: Path) -> bool:
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return (folder / "pe" / "config.json").is_file()
+    return config.get("model_type") == "ministral3" and any(
+        (folder / name).is_file() for name in ("tokenizer.json", "tekken.json")
+    )
+
+
+def _text_encoder_pe_names() -> list[str]:
+    names = {n for n in folder_paths.get_filename_list("text_encoders")
+             if n.endswith(".safetensors") and _PE_FILE.search(Path(n).name)}
+    for root in folder_paths.get_folder_paths("text_encoders"):
+        for current, dirs, _ in os.walk(root, followlinks=True):
+            if _is_pe_folder(Path(current)) and Path(current) != Path(root):
+                names.add(os.path.relpath(current, root).replace(os.sep, "/"))
+                dirs.clear()
+    return sorted(names)
+
+
+def pe_choices() -> list[str]:
+    """Snapshots with a ``pe/`` (``diffusers/<name>``) and PE folders or files under ``text_encoders``."""
+    snapshots = [SNAPSHOT_PREFIX + n for n in snapshot_names() if _is_pe_folder(snapshot_path(n))]
+    return snapshots + [TEXT_ENCODERS_PREFIX + n for n in _text_encoder_pe_names()]
+
+
+def _pe_path(name: str) -> Path:
+    if name.startswith(SNAPSHOT_PREFIX):
+        return snapshot_path(name[len(SNAPSHOT_PREFIX):])
+    relative = name.removeprefix(TEXT_ENCODERS_PREFIX)
+    for root in folder_paths.get_folder_paths("text_encoders"):
+        if (Path(root) / relative).exists():
+            return Path(root) / relative
+    raise EnhancerError(f"'{name}' was not found under ComfyUI's models/text_encoders or models/diffusers")
+
+
+def _devices() -> list[str]:
+    return ["default", "cpu", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+
+
+class ErnieImagePELoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ErnieImagePELoader",
+            display_name="ERNIE-Image Prompt Enhancer Loader",
+            category="ERNIE-Image/loaders",
+            description="The local Prompt Enhancer (a 3B Ministral 3 LM). Weights load on first use and are managed "
+            "like any ComfyUI model (offloaded when memory is needed, unloaded by Free memory).",
+            inputs=[
+                io.Combo.Input("model_name", options=pe_choices(),
+                               tooltip="diffusers/<snapshot> (its pe/ and pe_tokenizer/), or a PE folder or "
+                               "ernie-image-prompt-enhancer.safetensors under models/text_encoders."),
+                io.Combo.Input("device", options=_devices(), default="default",
+                               tooltip="default: ComfyUI's GPU. Another GPU keeps the PE beside the DiT."),
+                io.Combo.Input("dtype", options=["auto", *DTYPES], default="auto",
+                               tooltip="auto: bf16 on GPUs that support it (fp16 otherwise), float32 on the CPU."),
+            ],
+            outputs=[ErniePEType.Output(display_name="PE")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, model_name: str) -> bool | str:
+        return check_choice(model_name, pe_choices(), "text_encoders")
+
+    @classmethod
+    def execute(cls, model_name: str, device: str = "default", dtype: str = "auto") -> io.NodeOutput:
+        return io.NodeOutput(LocalPromptEnhancer.from_path(_pe_path(model_name), device=device, dtype=dtype))
+
+
+class ErnieImagePERemote(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ErnieImagePERemote",
+            display_name="ERNIE-Image Prompt Enhancer (remote)",
+            category="ERNIE-Image/loaders",
+            description="A Prompt Enhancer served by vLLM, SGLang or any OpenAI-compatible server "
+            "(POST /v1/chat/completions). Nothing is contacted until a prompt is enhanced.",
+            inputs=[
+                io.String.Input("base_url", default="http://127.0.0.1:8000",
+                                tooltip="The server's root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)."),
+                io.String.Input("model", default="", tooltip="Empty: the first model the server lists."),
+                io.String.Input("api_key_env", default="",
+                                tooltip="The NAME of an environment variable holding the API key (never the key "
+                                "itself: widget values are saved in workflows and images). Empty: no key."),
+                io.Float.Input("timeout_s", default=120.0, min=1.0, max=3600.0, step=1.0,
+                               tooltip="Seconds to wait for one answer."),
+                io.Int.Input("max_retries", default=3, min=0, max=10,
+                             tooltip="Retries on connection errors, timeouts, 408, 429 and 5xx (backoff, jitter)."),
+            ],
+            outputs=[ErniePEType.Output(display_name="PE")],
+        )
+
+    @classmethod
+    def execute(cls, base_url: str, model: str = "", api_key_env: str = "", timeout_s: float = 120.0,
+                max_retries: int = 3) -> io.NodeOutput:
+        return io.NodeOutput(RemotePromptEnhancer(base_url, model, api_key_env, timeout_s, max_retries,
+                                                  runtime=default_runtime()))
+
+
+@functools.cache
+def result_cache() -> ResultCache:
+    """The process-wide result cache, persisted in ComfyUI's user directory."""
+    return ResultCache(Path(folder_paths.get_user_directory()) / "ernie_image" / "pe_cache.sqlite3")
+
+
+class ErnieImagePromptEnhance(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ErnieImagePromptEnhance",
+            display_name="ERNIE-Image Prompt Enhance",
+            category="ERNIE-Image",
+            description="Rewrites a short prompt into the rich description ERNIE-Image was trained on (often in "
+            "Chinese). A list of prompts is enhanced as one batch (local) or concurrently (remote). Results are "
+            "cached by backend, prompt, size, sampling settings and seed.",
+            is_input_list=True,
+            inputs=[
+                ErniePEType.Input("pe", optional=True, tooltip="From a PE loader, the remote PE or the ERNIE-Image "
+                                  "Loader. Not needed when enabled is off."),
+                io.String.Input("prompt", multiline=True, default=""),
+                io.Int.Input("width", default=1024, min=16, max=8192, step=16, tooltip="The image width."),
+                io.Int.Input("height", default=1024, min=16, max=8192, step=16, tooltip="The image height."),
+                io.Boolean.Input("enabled", default=True,
+                                 tooltip="Off: the prompt passes through untouched and nothing is loaded or called."),
+                io.Float.Input("temperature", default=DEFAULT_TEMPERATURE, min=0.0, max=2.0, step=0.01,
+                               tooltip="0: greedy. Baidu's recipe: 0.6."),
+                io.Float.Input("top_p", default=DEFAULT_TOP_P, min=0.01, max=1.0, step=0.01,
+                               tooltip="Nucleus sampling. Baidu's recipe: 0.8."),
+                io.Int.Input("max_new_tokens", default=DEFAULT_MAX_NEW_TOKENS, min=1, max=8192,
+                             tooltip="Longest enhanced prompt, in tokens; a warning says when a text was cut."),
+                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, tooltip="The same seed gives the same text."),
+            ],
+            outputs=[io.String.Output(display_name="prompt", is_output_list=True)],
+        )
+
+    @classmethod
+    def execute(cls, prompt: list[str], width: list[int], height: list[int], enabled: list[bool],
+                temperature: list[float], top_p: list[float], max_new_tokens: list[int], seed: list[int],
+                pe: list | None = None) -> io.NodeOutput:
+        count = max(len(prompt), len(width), len(height))
+        specs = [PromptSpec(prompt[min(i, len(prompt) - 1)], width[min(i, len(width) - 1)],
+                            height[min(i, len(height) - 1)]) for i in range(count)]
+        if not enabled[0]:
+            texts = [spec.prompt for spec in specs]
+        else:
+            backend = pe[0] if pe else None
+            if backend is None:
+                raise EnhancerError("No prompt enhancer is connected (or the snapshot has no pe/ folder): connect "
+                                    "an ERNIE-Image PE loader or the remote PE, or turn 'enabled' off.")
+            params = SamplingParams(temperature[0], top_p[0], max_new_tokens[0], seed[0])
+            texts = [c.text for c in enhance_cached(backend, specs, params, result_cache())]
+        return io.NodeOutput(texts, ui=ui.PreviewText("\n\n".join(texts)))
+
+
+PE_NODES = [ErnieImagePELoader, ErnieImagePERemote, ErnieImagePromptEnhance]

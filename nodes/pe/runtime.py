@@ -1,0 +1,44 @@
+"""The host an engine runs in: devices, weight placement, stop requests, progress.
+
+``Runtime`` is plain torch (scripts, tests without ComfyUI); ``comfy_runtime.ComfyRuntime`` is ComfyUI's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class Runtime:
+    """The host the engine runs in. This base is plain torch (scripts, tests without ComfyUI)."""
+
+    def device(self, name: str) -> torch.device:
+        """``"default"``: the host's main device; otherwise a torch device name (``"cuda:1"``, ``"cpu"``)."""
+        if name == "default":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(name)
+
+    def manage(
+        self, model: torch.nn.Module, device: torch.device, on_unload: Callable[[], None]
+    ) -> Callable[[int], None]:
+        """Register the weights; returns ``load(memory_required)``, called before each generation."""
+        return lambda memory_required: model.to(device)
+
+    def should_stop(self) -> bool:
+        return False
+
+    def on_stopped(self) -> None:
+        """Called when generation stopped on request; a host raises its own interrupt exception here."""
+
+    def progress(self, total: int) -> Callable[[int], None]:
+        return lambda done: None
+
+
+def default_runtime() -> Runtime:
+    """ComfyUI's runtime inside ComfyUI, plain torch elsewhere."""
+    try:
+        from .comfy_runtime import ComfyRuntime
+    except ImportError:
+        return Runtime()
+    return ComfyRuntime()

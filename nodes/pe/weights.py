@@ -1,0 +1,160 @@
+"""Where a local PE comes from, and reading it: safetensors weights plus a tokenizer with a chat template.
+
+Three layouts:
+
+- a Hugging Face snapshot of ERNIE-Image(-Turbo): ``pe/`` (``Ministral3ForCausalLM``) and ``pe_tokenizer/``;
+- a Hugging Face folder with both (``pe/`` and ``pe_tokenizer/`` copied together, as for ``vllm serve``);
+- ComfyUI's repack ``ernie-image-prompt-enhancer.safetensors``: the LM's keys plus the Mistral tokenizer as a
+  ``tekken_model`` entry (ComfyUI's own Ministral 3 loader reads it from there). The repack has no chat template, so
+  Baidu's is used: ``chat_template.jinja`` here is ``pe_tokenizer/chat_template.jinja`` of ``baidu/ERNIE-Image-Turbo``
+  (revision bc68c81e, sha256 0c859484…ee974ea), byte for byte.
+
+Only safetensors are read and no remote code runs. No ComfyUI.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .protocol import EnhancerError
+
+BAIDU_CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
+HEAD_DIM = 128  # every Ministral 3 model has 128-wide attention heads
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "tekken.json")
+_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "model.lm_head.": "lm_head."}
+
+
+@dataclass(frozen=True)
+class PESource:
+    """PE weights on disk: a folder (``config.json`` + safetensors) or one file; ``tokenizer`` is the tokenizer
+    folder, or None when the tokenizer lives inside the single file."""
+
+    weights: Path
+    tokenizer: Path | None
+
+    def identity(self) -> str:
+        """Names these exact weights and tokenizer (path, sizes, modification times) without reading them."""
+        files = [self.weights] if self.weights.is_file() else sorted(self.weights.iterdir())
+        if self.tokenizer is not None:
+            files += [self.tokenizer / name for name in _TOKENIZER_FILES]
+        stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+        digest = hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:16]
+        return f"{self.weights.resolve()}#{digest}"
+
+    def load(self, dtype: torch.dtype):
+        """The model (on the CPU, eval mode) and its tokenizer (with a chat template)."""
+        if self.weights.is_file():
+            return _load_single_file(self.weights, dtype)
+        return _load_folder(self.weights, dtype), _load_tokenizer(self.tokenizer)
+
+
+def snapshot_source(snapshot: Path) -> PESource | None:
+    """The PE of an ERNIE-Image snapshot folder, or None when it has no ``pe/``."""
+    pe = snapshot / "pe"
+    if not (pe / "config.json").is_file():
+        return None
+    tokenizer = snapshot / "pe_tokenizer"
+    return PESource(pe, tokenizer if tokenizer.is_dir() else pe)
+
+
+def path_source(path: Path) -> PESource:
+    """A PE given by path: a snapshot folder, a Hugging Face folder, or ComfyUI's single ``.safetensors`` file."""
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise EnhancerError(f"{path.name}: only .safetensors prompt-enhancer files can be loaded")
+        return PESource(path, None)
+    source = snapshot_source(path)
+    if source is not None:
+        return source
+    if (path / "config.json").is_file():
+        return PESource(path, path)
+    raise EnhancerError(
+        f"{path} is not a prompt-enhancer folder: expected an ERNIE-Image snapshot (with pe/), or a folder with "
+        "config.json, safetensors weights and the tokenizer"
+    )
+
+
+def _load_folder(folder: Path, dtype: torch.dtype):
+    from transformers import Ministral3Config, Ministral3ForCausalLM
+
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    if model_type != "ministral3":
+        raise EnhancerError(f"{folder} holds a {model_type!r} model; the ERNIE-Image prompt enhancer is 'ministral3'")
+    if not any(folder.glob("*.safetensors")):
+        raise EnhancerError(f"{folder} has no .safetensors weights (other weight formats are not loaded)")
+    config = Ministral3Config.from_pretrained(folder)
+    return Ministral3ForCausalLM.from_pretrained(folder, config=config, dtype=dtype, use_safetensors=True).eval()
+
+
+def _load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    if not tokenizer.chat_template:
+        logging.warning("ERNIE-Image PE: %s has no chat template; using Baidu's PE template", folder)
+        tokenizer.chat_template = BAIDU_CHAT_TEMPLATE.read_text(encoding="utf-8")
+    return tokenizer
+
+
+def _load_single_file(path: Path, dtype: torch.dtype):
+    from safetensors.torch import load_file
+    from transformers import Ministral3ForCausalLM
+
+    state = load_file(path)
+    tekken = state.pop("tekken_model", None)
+    if tekken is None:
+        raise EnhancerError(
+            f"{path.name} carries no tokenizer (no 'tekken_model' entry, as in ComfyUI's repack): use the ERNIE-Image "
+            "snapshot's pe/ and pe_tokenizer/, or a folder with the weights and the tokenizer"
+        )
+    for old, new in _PREFIXES.items():
+        state = {new + k[len(old):] if k.startswith(old) else k: v for k, v in state.items()}
+    if any(not v.is_floating_point() or v.element_size() < 2 for v in state.values()):
+        raise EnhancerError(f"{path.name} holds quantized weights; load the bf16/fp16 prompt-enhancer file instead")
+    config = _config_from_state(state, path)
+    model = Ministral3ForCausalLM.from_pretrained(None, config=config, state_dict=state, dtype=dtype)
+    return model.eval(), _tekken_tokenizer(tekken)
+
+
+def _config_from_state(state: dict[str, torch.Tensor], path: Path):
+    """The Ministral 3 geometry read off the weight shapes (rope settings: Ministral 3's defaults)."""
+    from transformers import Ministral3Config
+
+    try:
+        vocab, hidden = state["model.embed_tokens.weight"].shape
+        layers = 1 + max(int(m.group(1)) for k in state if (m := re.match(r"model\.layers\.(\d+)\.", k)))
+        query = state["model.layers.0.self_attn.q_proj.weight"].shape[0]
+        key = state["model.layers.0.self_attn.k_proj.weight"].shape[0]
+        intermediate = state["model.layers.0.mlp.gate_proj.weight"].shape[0]
+    except (KeyError, ValueError) as error:
+        raise EnhancerError(f"{path.name} is not a Ministral 3 prompt enhancer (missing {error})") from error
+    tied = "lm_head.weight" not in state or torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+    return Ministral3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=query // HEAD_DIM, num_key_value_heads=key // HEAD_DIM, head_dim=HEAD_DIM,
+        tie_word_embeddings=tied,
+    )
+
+
+def _tekken_tokenizer(tekken: torch.Tensor):
+    """A tokenizer from the ``tekken.json`` bytes stored in the file, with Baidu's PE chat template."""
+    try:
+        from transformers.integrations.mistral import convert_tekken_tokenizer
+    except ImportError as error:
+        raise EnhancerError(
+            "reading the tokenizer stored in a ComfyUI prompt-enhancer file needs a newer transformers (5.17 and 5.24 "
+            "are tested): update it, or use the snapshot's pe/ and pe_tokenizer/"
+        ) from error
+
+    with tempfile.TemporaryDirectory() as folder:
+        tekken_file = Path(folder) / "tekken.json"
+        tekken_file.write_bytes(tekken.numpy().tobytes())
+        return convert_tekken_tokenizer(str(tekken_file), BAIDU_CHAT_TEMPLATE.read_text(encoding="utf-8"))

@@ -1,0 +1,181 @@
+"""The local PE on a tiny real Ministral 3 model, in every layout users keep it: lazy loading, batch, seeds, the
+fast decode path, interrupt, ComfyUI model management, and errors that say what to do."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import comfy.model_management as mm
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from comfyui_ernie_image.nodes.managed import ManagedModule
+from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
+from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
+from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, SamplingParams
+from comfyui_ernie_image.nodes.pe.runtime import Runtime
+
+PROMPTS = [
+    PromptSpec("a cat", 1024, 1024),
+    PromptSpec('a "red" dog\\ on a mat\nunder the 天空 🐶', 848, 1264),
+    PromptSpec("一只黑白相间的中华田园犬", 1264, 848),
+]
+SAMPLED = SamplingParams(temperature=0.6, top_p=0.8, max_new_tokens=24, seed=5)
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
+WORDS = re.compile(r"[a-z]+( [a-z]+)*")  # the tiny PE writes lowercase words
+
+
+@pytest.fixture(scope="module")
+def snapshot_pe(tiny_models) -> LocalPromptEnhancer:
+    return LocalPromptEnhancer.from_snapshot(tiny_models["snapshot"], runtime=Runtime())
+
+
+def texts(enhancer, specs, params) -> list[str]:
+    return [c.text for c in enhancer.enhance(specs, params)]
+
+
+def test_the_snapshot_handle_is_lazy_and_absent_without_pe(tiny_models, tmp_path):
+    handle = LocalPromptEnhancer.from_snapshot(tiny_models["snapshot"])
+    assert handle is not None and not handle.loaded
+    assert handle.identity.startswith("local:") and not handle.loaded  # the cache key needs no weights
+    (tmp_path / "model_index.json").write_text("{}")
+    assert LocalPromptEnhancer.from_snapshot(tmp_path) is None
+
+
+def test_all_layouts_write_words_and_the_folders_agree(tiny_models, snapshot_pe):
+    folder = LocalPromptEnhancer.from_path(tiny_models["pe_folder"], runtime=Runtime())
+    single = LocalPromptEnhancer.from_path(tiny_models["pe_single_file"], runtime=Runtime())
+    from_snapshot = texts(snapshot_pe, PROMPTS, GREEDY)
+    assert all(WORDS.fullmatch(t) for t in from_snapshot), from_snapshot
+    assert texts(folder, PROMPTS, GREEDY) == from_snapshot  # same weights, same tokenizer and template
+    single_texts = texts(single, PROMPTS, GREEDY)
+    assert all(WORDS.fullmatch(t) for t in single_texts), single_texts
+
+
+def test_the_single_file_holds_the_snapshot_weights_and_uses_baidus_template(tiny_models, snapshot_pe):
+    single = LocalPromptEnhancer.from_path(tiny_models["pe_single_file"], runtime=Runtime())
+    single.enhance(PROMPTS[:1], GREEDY)
+    snapshot_pe.enhance(PROMPTS[:1], GREEDY)
+    reference = snapshot_pe._model.state_dict()
+    assert all(torch.equal(value, reference[key]) for key, value in single._model.state_dict().items())
+    rendered = single._tokenizer.apply_chat_template(PROMPTS[1].messages(), tokenize=False)
+    assert rendered.startswith("<s>[SYSTEM_PROMPT]你是一个专业的文生图 Prompt 增强助手")
+    assert rendered.endswith("[INST]" + PROMPTS[1].messages()[0]["content"] + "[/INST]")
+
+
+def test_a_batch_gives_each_prompt_its_own_text_and_seeds_repeat(snapshot_pe):
+    batch = texts(snapshot_pe, PROMPTS, SAMPLED)
+    assert batch == [texts(snapshot_pe, [spec], SAMPLED)[0] for spec in PROMPTS]
+    assert texts(snapshot_pe, PROMPTS, SAMPLED) == batch
+    others = [texts(snapshot_pe, PROMPTS, SamplingParams(0.6, 0.8, 24, seed)) for seed in (6, 7, 8)]
+    assert any(other != batch for other in others)
+    assert len(set(batch)) == len(batch)  # prompt-dependent
+
+
+def test_the_static_cache_path_gives_the_same_tokens_as_generate(tiny_models):
+    plain = LocalPromptEnhancer.from_snapshot(tiny_models["snapshot"], decode="generate", runtime=Runtime())
+    fast = LocalPromptEnhancer.from_snapshot(tiny_models["snapshot"], decode="static", runtime=Runtime())
+    for params in (SAMPLED, GREEDY, SamplingParams(1.0, 1.0, 40, 11)):
+        assert fast.enhance(PROMPTS, params) == plain.enhance(PROMPTS, params)
+
+
+def test_the_compiled_decode_step_traces_whole_and_matches_eager(tiny_models):
+    """On the CPU (inductor without CUDA graphs): the compiled step gives the eager tokens, traces without a graph
+    break, and new sampling values or seeds reuse it."""
+    from torch._dynamo.utils import counters
+
+    compiled = LocalPromptEnhancer.from_snapshot(tiny_models["snapshot"], decode="static-compiled", runtime=Runtime())
+    eager = LocalPromptEnhancer.from_snapshot(tiny_models["snapshot"], decode="static", runtime=Runtime())
+    counters.clear()
+    assert compiled.enhance(PROMPTS, SAMPLED) == eager.enhance(PROMPTS, SAMPLED)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1 and not counters["graph_break"]
+    other = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=24, seed=9)
+    assert compiled.enhance(PROMPTS, other) == eager.enhance(PROMPTS, other)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_truncation_is_reported_and_an_eos_ends_the_text(snapshot_pe):
+    assert all(c.truncated for c in snapshot_pe.enhance(PROMPTS, SamplingParams(max_new_tokens=3)))
+    finished = [c for seed in range(40) for c in snapshot_pe.enhance(PROMPTS, SamplingParams(1.0, 1.0, 48, seed))
+                if not c.truncated]
+    assert finished and all(c.text for c in finished)
+
+
+class InterruptingRuntime(ComfyRuntime):
+    """ComfyUI's runtime that presses ComfyUI's interrupt once 8 tokens exist, and counts the stop checks after."""
+
+    def __init__(self):
+        self.checks_after_interrupt = 0
+
+    def progress(self, total: int):
+        def update(done: int) -> None:
+            if done >= 8:
+                mm.interrupt_current_processing(True)
+
+        return update
+
+    def should_stop(self) -> bool:
+        stop = super().should_stop()
+        self.checks_after_interrupt += stop
+        return stop
+
+
+@pytest.mark.parametrize("decode", ["generate", "static"])
+def test_comfy_interrupt_stops_generation_at_the_next_token(tiny_models, decode):
+    runtime = InterruptingRuntime()
+    pe = LocalPromptEnhancer.from_snapshot(tiny_models["snapshot"], decode=decode, runtime=runtime)
+    started = time.monotonic()
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            pe.enhance(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=4000))
+    finally:
+        mm.interrupt_current_processing(False)
+    assert time.monotonic() - started < 10
+    assert runtime.checks_after_interrupt == 1  # the first check after the flag went up stopped it
+    assert not mm.processing_interrupted()  # consumed: the next prompt runs
+    runtime.progress = Runtime().progress
+    assert texts(pe, PROMPTS[:1], GREEDY)
+
+
+def _managed_pe_models(pe: LocalPromptEnhancer) -> list:
+    return [m for m in mm.current_loaded_models
+            if isinstance(m.model.model, ManagedModule) and m.model.model.module is pe._model]
+
+
+def test_the_weights_are_a_comfyui_model_that_unload_all_frees(tiny_models):
+    pe = LocalPromptEnhancer.from_snapshot(tiny_models["snapshot"], runtime=ComfyRuntime())
+    first = texts(pe, PROMPTS[:1], GREEDY)
+    assert len(_managed_pe_models(pe)) == 1
+    mm.unload_all_models()  # what POST /free does
+    assert _managed_pe_models(pe) == []
+    assert texts(pe, PROMPTS[:1], GREEDY) == first  # loads again on demand
+    assert len(_managed_pe_models(pe)) == 1
+
+
+def test_layout_errors_say_what_is_wrong_and_what_to_do(tiny_models, tmp_path):
+    with pytest.raises(EnhancerError, match="is not a prompt-enhancer folder: expected an ERNIE-Image snapshot"):
+        LocalPromptEnhancer.from_path(tmp_path)
+    (tmp_path / "pe.ckpt").write_bytes(b"x")
+    with pytest.raises(EnhancerError, match=r"pe.ckpt: only .safetensors prompt-enhancer files can be loaded"):
+        LocalPromptEnhancer.from_path(tmp_path / "pe.ckpt")
+
+    no_tokenizer = tmp_path / "no-tokenizer.safetensors"
+    state = load_file(tiny_models["pe_single_file"])
+    save_file({k: v for k, v in state.items() if k != "tekken_model"}, no_tokenizer)
+    with pytest.raises(EnhancerError, match="no-tokenizer.safetensors carries no tokenizer .*use the ERNIE-Image"):
+        LocalPromptEnhancer.from_path(no_tokenizer).enhance(PROMPTS[:1], GREEDY)
+
+    quantized = tmp_path / "fp8.safetensors"
+    save_file({k: v.to(torch.float8_e4m3fn) if v.is_floating_point() else v for k, v in state.items()}, quantized)
+    with pytest.raises(EnhancerError, match="fp8.safetensors holds quantized weights; load the bf16/fp16"):
+        LocalPromptEnhancer.from_path(quantized).enhance(PROMPTS[:1], GREEDY)
+
+    text_encoder = tiny_models["snapshot"] / "text_encoder"
+    with pytest.raises(EnhancerError, match="holds a 'mistral3' model; the ERNIE-Image prompt enhancer is 'minis"):
+        LocalPromptEnhancer.from_path(text_encoder).enhance(PROMPTS[:1], GREEDY)
+
+    with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
+        LocalPromptEnhancer.from_path(tiny_models["pe_folder"], dtype="int8")
