@@ -5,6 +5,7 @@ Used by the tests and by the main job (``run_workflow.py``)."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -79,7 +80,9 @@ class ComfyServer:
 
     def start(self, timeout: float = 180.0) -> None:
         self._log = open(self.log_path, "w")
-        self.process = subprocess.Popen(self.args, cwd=self.comfy_dir, stdout=self._log, stderr=subprocess.STDOUT)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the log is read while the server runs
+        self.process = subprocess.Popen(self.args, cwd=self.comfy_dir, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env=env)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.process.poll() is not None:

@@ -53,11 +53,13 @@ def test_free_unloads_the_pack_models_from_model_management(comfy_server):
         start = len(comfy_server.log())
         result = comfy_server.run(text_to_image(snapshot=SNAPSHOT, prompt="free test", steps=1, seed=seed))
         assert result.status == "success", result.messages
-        time.sleep(0.5)  # the log is written by the server process
+        deadline = time.time() + 30  # the server logs "Prompt executed" once the prompt's lines are all written
+        while "Prompt executed" not in comfy_server.log()[start:] and time.time() < deadline:
+            time.sleep(0.1)
         return comfy_server.log()[start:]
 
     run(seed=200)  # loads everything
     assert "Requested to load ErnieImageModel" not in run(seed=201), "a loaded model was loaded again"
     comfy_server.free()
-    time.sleep(2)  # the worker acts on /free between prompts
+    time.sleep(3)  # the worker acts on /free between prompts
     assert "Requested to load ErnieImageModel" in run(seed=202)

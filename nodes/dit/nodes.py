@@ -5,9 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import comfy.model_management
+import folder_paths
 import torch
 from comfy_api.v0_0_2 import io
 
+from ..accel.capability import METHODS
+from ..accel.quantize import load_quantized_dit
 from ..paths import (
     SNAPSHOT_PREFIX,
     check_choice,
@@ -26,7 +29,7 @@ from .vae import load_snapshot_vae
 from .weights import load_transformer
 
 WEIGHT_DTYPES = {"default": None, "bf16": torch.bfloat16, "fp32": torch.float32}
-QUANTIZATION_METHODS = ["none"]
+QUANTIZATION_METHODS = list(METHODS)
 
 
 def _weight_dtype(choice: str) -> torch.dtype:
@@ -36,8 +39,18 @@ def _weight_dtype(choice: str) -> torch.dtype:
     return comfy.model_management.unet_dtype(supported_dtypes=[torch.bfloat16, torch.float32])
 
 
-def _load_model(path: Path, weight_dtype: str, shift: float):
-    return make_model_patcher(load_transformer(path, _weight_dtype(weight_dtype)), shift)
+def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float):
+    """The DiT at ``path`` as a MODEL, quantized at load when asked (a method that cannot run here fails first)."""
+    dtype = _weight_dtype(weight_dtype)
+    transformer = load_quantized_dit(
+        lambda: load_transformer(path, dtype),
+        quantization,
+        source=path,
+        dtype=dtype,
+        device=comfy.model_management.get_torch_device(),
+        cache_root=Path(folder_paths.models_dir) / "ernie_quantized",  # where SVDQuant DiTs are saved
+    )
+    return make_model_patcher(transformer, shift)
 
 
 def _weight_inputs() -> list:
@@ -45,7 +58,10 @@ def _weight_inputs() -> list:
         io.Combo.Input("weight_dtype", options=list(WEIGHT_DTYPES), default="default",
                        tooltip="default: bf16 on GPUs that run it well, fp32 on the CPU."),
         io.Combo.Input("quantization", options=QUANTIZATION_METHODS, default="none",
-                       tooltip="Quantize the DiT's linear layers at load time."),
+                       tooltip="Quantize the DiT's block linear layers at load time. fp8_per_row: RTX 40, H100/H200, "
+                       "Blackwell (needs torchao; weights 16 → 8 GB). int8_weight_only: any NVIDIA GPU (needs "
+                       "torchao). svdq_*: SVDQuant W4A4 on A100, RTX 30/40/50 with the cache-dit-cu13 build; "
+                       "minutes the first time, then reloaded from models/ernie_quantized. See the README."),
     ]
 
 
@@ -78,7 +94,7 @@ class ErnieImageLoader(io.ComfyNode):
     @classmethod
     def execute(cls, model_name: str, weight_dtype: str = "default", quantization: str = "none") -> io.NodeOutput:
         snapshot = snapshot_path(model_name)
-        model = _load_model(snapshot, weight_dtype, snapshot_shift(snapshot))
+        model = _load_model(snapshot, weight_dtype, quantization, snapshot_shift(snapshot))
         return io.NodeOutput(
             model,
             ManagedTextEncoder.from_snapshot(snapshot),
@@ -117,8 +133,9 @@ class ErnieImageDiTLoader(io.ComfyNode):
     def execute(cls, model_name: str, weight_dtype: str = "default", quantization: str = "none") -> io.NodeOutput:
         if model_name.startswith(SNAPSHOT_PREFIX):
             snapshot = snapshot_path(model_name[len(SNAPSHOT_PREFIX):])
-            return io.NodeOutput(_load_model(snapshot, weight_dtype, snapshot_shift(snapshot)))
-        return io.NodeOutput(_load_model(model_file_path("diffusion_models", model_name), weight_dtype, DEFAULT_SHIFT))
+            return io.NodeOutput(_load_model(snapshot, weight_dtype, quantization, snapshot_shift(snapshot)))
+        path = model_file_path("diffusion_models", model_name)
+        return io.NodeOutput(_load_model(path, weight_dtype, quantization, DEFAULT_SHIFT))
 
 
 class ErnieImageScheduler(io.ComfyNode):

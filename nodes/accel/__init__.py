@@ -1,0 +1,1 @@
+"""Acceleration: cache-dit caching and compile nodes; the quantization engine the DiT loaders call."""

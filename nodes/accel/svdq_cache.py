@@ -1,0 +1,140 @@
+"""Saved SVDQuant DiTs, reused while their source weights and cache-dit stay the same (engine: no ComfyUI here).
+
+SVDQuant takes minutes, so each result is kept in one folder per (source weights, method):
+``<root>/<source name>-<hash of its path>-<method>/`` holds what cache-dit's ``serialize_to`` writes
+(``<method>.safetensors`` and ``quant_config.json``, read back by ``cache_dit.load``) and ``ernie_image_entry.json``,
+the record of what it was made from: the source's path and each weight file's name, size and modification time,
+the method and the versions. An entry whose record does not match, or whose files are missing or damaged, is
+removed and built again. A new entry is written in a ``.partial`` folder and renamed into place when complete, so
+an interrupted build never looks finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
+from ..errors import ErnieImageError
+
+FORMAT = 1  # of this folder layout and record
+RECORD = "ernie_image_entry.json"
+QUANT_CONFIG = "quant_config.json"  # cache-dit writes it beside the checkpoint
+
+
+def weight_files(source: Path) -> list[Path]:
+    """The files the DiT is read from: one safetensors file, or a diffusers folder's (a snapshot's ``transformer/``)
+    config and shards."""
+    if source.is_file():
+        return [source]
+    folder = source / "transformer" if (source / "transformer").is_dir() else source
+    return sorted(p for p in folder.iterdir() if p.suffix == ".safetensors" or p.name == "config.json")
+
+
+def source_identity(source: Path) -> dict:
+    """The source's absolute path and each weight file's name, size and modification time (ns)."""
+    files = []
+    for f in weight_files(source):
+        stat = f.stat()
+        files.append([f.name, stat.st_size, stat.st_mtime_ns])
+    return {"path": str(source.resolve()), "files": files}
+
+
+def _read_record(path: Path) -> dict | None:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "checkpoint_bytes" in record else None
+
+
+class SVDQCache:
+    """The folder ``root`` of saved SVDQuant DiTs."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def entry(self, source: Path, method: str) -> Path:
+        """The folder of ``source`` quantized with ``method`` (whether it exists or not)."""
+        digest = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:10]
+        name = source.stem if source.is_file() else source.name
+        return self.root / f"{name}-{digest}-{method}"
+
+    def record(self, source: Path, method: str, versions: dict[str, str]) -> dict:
+        """What an entry usable for this source, method and versions records."""
+        return {"format": FORMAT, "method": method, "source": source_identity(source), "versions": versions}
+
+    def problem(self, source: Path, method: str, versions: dict[str, str]) -> str | None:
+        """Why the saved entry cannot be used (there is none, stale, damaged), or None when it can."""
+        entry = self.entry(source, method)
+        if not entry.is_dir():
+            return "there is no saved copy"
+        saved = _read_record(entry / RECORD)
+        if saved is None:
+            return f"its record {RECORD} is missing or unreadable"
+        checkpoint_bytes = saved.pop("checkpoint_bytes")
+        expected = self.record(source, method, versions)
+        if saved.get("source") != expected["source"]:
+            return "the source weights changed since it was made"
+        if saved != expected:
+            return f"it was made for {saved.get('method')} with {saved.get('versions')}, not {versions}"
+        checkpoint = entry / f"{method}.safetensors"
+        for needed in (checkpoint, entry / QUANT_CONFIG):
+            if not needed.is_file():
+                return f"{needed.name} is missing"
+        if checkpoint.stat().st_size != checkpoint_bytes:
+            return f"{checkpoint.name} is damaged (its size changed)"
+        try:
+            with safe_open(str(checkpoint), framework="pt"):
+                pass
+            json.loads((entry / QUANT_CONFIG).read_text())
+        except (SafetensorError, OSError, ValueError) as e:
+            return f"it is damaged ({e})"
+        return None
+
+    def lookup(self, source: Path, method: str, versions: dict[str, str]) -> Path | None:
+        """The usable saved entry, or None, after removing an entry that is stale or damaged."""
+        reason = self.problem(source, method, versions)
+        if reason is None:
+            return self.entry(source, method)
+        if self.entry(source, method).exists():
+            logging.warning("ERNIE-Image: the saved SVDQuant DiT %s cannot be used (%s); quantizing again",
+                            self.entry(source, method), reason)
+            self.discard(source, method)
+        return None
+
+    def discard(self, source: Path, method: str) -> None:
+        """Remove the entry of ``source`` and ``method``, if any."""
+        shutil.rmtree(self.entry(source, method), ignore_errors=True)
+
+    @contextmanager
+    def build(self, source: Path, method: str, versions: dict[str, str]) -> Iterator[Path]:
+        """A fresh folder to ``serialize_to``; when the block ends without error, it becomes the entry."""
+        entry = self.entry(source, method)
+        partial = entry.with_name(f".{entry.name}.partial")
+        record = self.record(source, method, versions)  # the source as it is read now
+        try:
+            shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted build
+            partial.mkdir(parents=True)
+        except OSError as e:
+            raise ErnieImageError(
+                f"Cannot write the SVDQuant DiT to {self.root} ({e}). Make that folder writable, "
+                "or pick an FP8/INT8 quantization (they are not saved)."
+            ) from e
+        try:
+            yield partial
+            checkpoint = partial / f"{method}.safetensors"
+            if not checkpoint.is_file():
+                raise ErnieImageError(f"cache-dit wrote no {checkpoint.name} into {partial}: cannot save this DiT.")
+            record["checkpoint_bytes"] = checkpoint.stat().st_size
+            (partial / RECORD).write_text(json.dumps(record, indent=1))
+            self.discard(source, method)
+            partial.rename(entry)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)

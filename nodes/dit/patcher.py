@@ -1,0 +1,38 @@
+"""The ModelPatcher of the ERNIE-Image DiT: loaded to the GPU whole or not at all (ComfyUI adapter).
+
+Core's partial ("lowvram") loading keeps the weights of core ``ops`` layers on the CPU and casts them to the GPU
+at each call. The DiT's layers are diffusers' plain torch modules (and torchao or SVDQuant layers once quantized),
+which that loading neither moves nor casts: a partly loaded DiT would run some layers on the wrong device. So the
+rule here is: every load is a full load (ComfyUI first unloads other models to make room, as for any model), and
+when ComfyUI needs the memory back, the DiT is unloaded whole. To fit a smaller GPU, quantize the DiT
+(``fp8_per_row`` halves its weights).
+"""
+
+from __future__ import annotations
+
+import comfy.model_patcher
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """The memory a tensor holds. A quantized (torchao) weight reports its original dtype, so count what it wraps."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(tensor, name)) for name in names)
+    return tensor.nelement() * tensor.element_size()
+
+
+class ErnieModelPatcher(comfy.model_patcher.ModelPatcher):
+    """A ModelPatcher that never loads or unloads the DiT in part, and knows the true size of quantized weights."""
+
+    def model_size(self) -> int:
+        if self.size == 0:
+            self.size = sum(tensor_bytes(t) for t in self.model.state_dict().values())
+        return self.size
+
+    def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
+        super().load(device_to, lowvram_model_memory, force_patch_weights, full_load=True)
+
+    def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False) -> int:
+        return 0  # frees nothing: ComfyUI then unloads the whole model

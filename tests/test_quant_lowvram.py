@@ -1,0 +1,59 @@
+"""The DiT's load rule under ComfyUI's model management: whole or not at all.
+
+Core's partial ("lowvram") loading moves only some plain torch layers to the GPU and casts none of them, which would
+run the DiT across two devices. The ``meta`` device stands in for the GPU here: where a weight ends up is visible
+without one.
+"""
+
+from __future__ import annotations
+
+import comfy.model_patcher
+import torch
+from diffusers import ErnieImageTransformer2DModel
+
+from comfyui_ernie_image.nodes.dit.model import make_model_patcher
+from comfyui_ernie_image.nodes.dit.patcher import ErnieModelPatcher
+from tiny_models import TINY_DIT
+
+GPU = torch.device("meta")
+
+
+def devices(patcher) -> set[str]:
+    return {t.device.type for t in patcher.model.diffusion_model.state_dict().values()}
+
+
+def test_core_partial_loading_would_split_the_dit_across_devices():
+    core = make_model_patcher(ErnieImageTransformer2DModel(**TINY_DIT))
+    core = comfy.model_patcher.ModelPatcher(core.model, core.load_device, core.offload_device)
+    core.load(GPU, lowvram_model_memory=core.model_size() // 2)
+    assert devices(core) == {"cpu", "meta"}  # what the rule below prevents
+
+
+def test_the_dit_loads_whole_when_comfyui_offers_part_of_the_memory():
+    patcher = make_model_patcher(ErnieImageTransformer2DModel(**TINY_DIT))
+    assert isinstance(patcher, ErnieModelPatcher) and isinstance(patcher.clone(), ErnieModelPatcher)
+    patcher.load(GPU, lowvram_model_memory=patcher.model_size() // 2)
+    assert devices(patcher) == {"meta"}
+    assert not patcher.model.model_lowvram and patcher.loaded_size() == patcher.model_size()
+
+
+def test_the_dit_is_never_unloaded_in_part():
+    patcher = make_model_patcher(ErnieImageTransformer2DModel(**TINY_DIT))
+    patcher.load(GPU, lowvram_model_memory=0, full_load=True)
+    assert patcher.partially_unload(patcher.offload_device, memory_to_free=patcher.model_size() // 2) == 0
+    assert devices(patcher) == {"meta"}  # ComfyUI then unloads the whole model (LoadedModel.model_unload)
+
+
+def test_quantized_weights_count_by_what_they_hold():
+    """torchao's quantized weights are wrapper tensors that report the original dtype: ComfyUI's own size estimate
+    would count an FP8 DiT as 16 GB. TwoTensor (torch's test wrapper, two tensors inside) stands in for them."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    transformer = ErnieImageTransformer2DModel(**TINY_DIT)
+    plain = make_model_patcher(transformer).model_size()
+    layer = transformer.layers[0].mlp.gate_proj
+    weight = layer.weight.detach()
+    layer.weight = torch.nn.Parameter(TwoTensor(weight, weight.clone()), requires_grad=False)
+    patcher = make_model_patcher(transformer)
+    assert patcher.model_size() == plain + weight.nelement() * weight.element_size()
+    assert patcher.clone().model_size() == patcher.model_size()

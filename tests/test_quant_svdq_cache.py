@@ -1,0 +1,214 @@
+"""The saved-SVDQuant folder on its own: entries are found again, and stale, damaged or half-written ones are never
+used. Then the real cache-dit round trip through it (quantize + serialize_to, then cache_dit.load) on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from comfyui_ernie_image.nodes.accel.quantize import load_or_build_svdq
+from comfyui_ernie_image.nodes.accel.svdq_cache import RECORD, SVDQCache, source_identity
+from comfyui_ernie_image.nodes.dit.weights import load_transformer
+from comfyui_ernie_image.nodes.errors import ErnieImageError
+
+METHOD = "svdq_int4_r32_dq"
+VERSIONS = {"cache_dit": "1.5.3"}
+
+
+@pytest.fixture
+def source(tmp_path):
+    path = tmp_path / "models" / "ernie-image-turbo.safetensors"
+    path.parent.mkdir()
+    save_file({"w": torch.ones(4, 4)}, str(path))
+    return path
+
+
+@pytest.fixture
+def cache(tmp_path):
+    return SVDQCache(tmp_path / "ernie_quantized")
+
+
+def write_like_cache_dit(folder, method=METHOD) -> None:
+    """The two files cache-dit's ``serialize_to`` leaves in a folder."""
+    save_file({"layers.0.qweight": torch.zeros(8, 8, dtype=torch.int8)}, str(folder / f"{method}.safetensors"))
+    (folder / "quant_config.json").write_text(json.dumps({"quant_type": method}))
+
+
+def build(cache, source, versions=VERSIONS):
+    with cache.build(source, METHOD, versions) as folder:
+        write_like_cache_dit(folder)
+    return cache.entry(source, METHOD)
+
+
+def test_a_built_entry_is_found_again(cache, source):
+    assert cache.lookup(source, METHOD, VERSIONS) is None
+    assert cache.problem(source, METHOD, VERSIONS) == "there is no saved copy"
+    entry = build(cache, source)
+    assert entry.parent == cache.root and entry.name.startswith("ernie-image-turbo-") and entry.name.endswith(METHOD)
+    assert cache.lookup(source, METHOD, VERSIONS) == entry
+    record = json.loads((entry / RECORD).read_text())
+    assert record["source"] == source_identity(source) and record["versions"] == VERSIONS
+    assert sorted(p.name for p in cache.root.iterdir()) == [entry.name]  # no partial folder left
+
+
+def test_each_source_and_method_has_its_own_entry(cache, source, tmp_path):
+    other = tmp_path / "elsewhere" / source.name
+    other.parent.mkdir()
+    other.write_bytes(source.read_bytes())
+    entries = {cache.entry(source, METHOD), cache.entry(other, METHOD), cache.entry(source, "svdq_int4_r128_dq")}
+    assert len(entries) == 3
+
+
+def test_changed_source_weights_make_the_entry_stale(cache, source):
+    entry = build(cache, source)
+    stat = source.stat()
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # the same bytes, re-downloaded
+    assert cache.problem(source, METHOD, VERSIONS) == "the source weights changed since it was made"
+    assert cache.lookup(source, METHOD, VERSIONS) is None
+    assert not entry.exists()
+
+
+def test_another_cache_dit_version_makes_the_entry_stale(cache, source):
+    entry = build(cache, source)
+    newer = {"cache_dit": "1.6.0"}
+    assert cache.problem(source, METHOD, newer) == (
+        f"it was made for {METHOD} with {{'cache_dit': '1.5.3'}}, not {{'cache_dit': '1.6.0'}}"
+    )
+    assert cache.lookup(source, METHOD, newer) is None and not entry.exists()
+
+
+def _truncate(entry):
+    checkpoint = entry / f"{METHOD}.safetensors"
+    checkpoint.write_bytes(checkpoint.read_bytes()[:-10])
+
+
+def _scramble_header(entry):
+    checkpoint = entry / f"{METHOD}.safetensors"
+    data = checkpoint.read_bytes()
+    checkpoint.write_bytes(b"\xff" * 16 + data[16:])
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (_truncate, f"{METHOD}.safetensors is damaged (its size changed)"),
+    (_scramble_header, "it is damaged ("),
+    (lambda entry: (entry / f"{METHOD}.safetensors").unlink(), f"{METHOD}.safetensors is missing"),
+    (lambda entry: (entry / "quant_config.json").unlink(), "quant_config.json is missing"),
+    (lambda entry: (entry / "quant_config.json").write_text("{not json"), "it is damaged ("),
+    (lambda entry: (entry / RECORD).write_text("[]"), f"its record {RECORD} is missing or unreadable"),
+    (lambda entry: (entry / RECORD).unlink(), f"its record {RECORD} is missing or unreadable"),
+])
+def test_a_damaged_entry_is_removed(cache, source, damage, reason):
+    entry = build(cache, source)
+    damage(entry)
+    assert cache.problem(source, METHOD, VERSIONS).startswith(reason)
+    assert cache.lookup(source, METHOD, VERSIONS) is None
+    assert not entry.exists()
+    assert build(cache, source) == entry and cache.lookup(source, METHOD, VERSIONS) == entry
+
+
+def test_an_interrupted_build_leaves_nothing_that_looks_finished(cache, source):
+    with pytest.raises(KeyboardInterrupt):
+        with cache.build(source, METHOD, VERSIONS) as folder:
+            write_like_cache_dit(folder)
+            raise KeyboardInterrupt
+    assert list(cache.root.iterdir()) == []
+    # A process killed mid-build leaves its partial folder: the next build starts it afresh.
+    partial = cache.root / f".{cache.entry(source, METHOD).name}.partial"
+    partial.mkdir()
+    (partial / "stale.bin").write_bytes(b"x")
+    entry = build(cache, source)
+    assert not partial.exists() and not (entry / "stale.bin").exists()
+
+
+def test_a_build_without_a_checkpoint_is_an_error(cache, source):
+    with pytest.raises(ErnieImageError, match=f"cache-dit wrote no {METHOD}.safetensors into"):
+        with cache.build(source, METHOD, VERSIONS):
+            pass
+    assert list(cache.root.iterdir()) == []
+
+
+def test_an_unwritable_cache_folder_says_so(tmp_path, source):
+    blocked = tmp_path / "ernie_quantized"
+    blocked.write_text("a file where the folder should be")
+    with pytest.raises(ErnieImageError, match=r"Cannot write the SVDQuant DiT to .*ernie_quantized .* FP8/INT8"):
+        build(SVDQCache(blocked), source)
+
+
+def test_a_snapshot_is_identified_by_its_transformer_files(tmp_path):
+    snapshot = tmp_path / "ERNIE-Image-Turbo"
+    (snapshot / "transformer").mkdir(parents=True)
+    (snapshot / "vae").mkdir()
+    (snapshot / "model_index.json").write_text("{}")
+    (snapshot / "transformer" / "config.json").write_text("{}")
+    save_file({"w": torch.ones(2)}, str(snapshot / "transformer" / "diffusion_pytorch_model.safetensors"))
+    save_file({"w": torch.ones(2)}, str(snapshot / "vae" / "diffusion_pytorch_model.safetensors"))
+    before = source_identity(snapshot)
+    assert [f[0] for f in before["files"]] == ["config.json", "diffusion_pytorch_model.safetensors"]
+    save_file({"w": torch.zeros(3)}, str(snapshot / "vae" / "diffusion_pytorch_model.safetensors"))
+    assert source_identity(snapshot) == before  # another part of the snapshot: the saved DiT stays valid
+    (snapshot / "transformer" / "config.json").write_text('{"num_layers": 36}')
+    assert source_identity(snapshot) != before
+
+
+# --- the real cache-dit files ----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def svdq_without_kernels(monkeypatch):
+    """cache-dit's ``QuantizeConfig`` refuses SVDQuant unless its CUDA kernels import, although its dynamic
+    quantization, serialization and loading are plain torch that runs on the CPU (only the forward needs the
+    kernels). Let the config be built here, so the files this pack saves and reloads are cache-dit's own."""
+    from cache_dit.quantization.backend import QuantizeBackend
+
+    monkeypatch.setattr(QuantizeBackend, "is_supported", classmethod(lambda cls, backend: True))
+
+
+@pytest.fixture
+def tiny_dit_file(tmp_path):
+    from diffusers import ErnieImageTransformer2DModel
+
+    from tiny_models import TINY_DIT, save_dit_single_file
+
+    torch.manual_seed(0)
+    return save_dit_single_file(ErnieImageTransformer2DModel(**{**TINY_DIT, "num_layers": 2}),
+                                tmp_path / "ernie-tiny.safetensors")
+
+
+def test_svdquant_dit_is_saved_reloaded_and_rebuilt_when_stale(svdq_without_kernels, tiny_dit_file, cache):
+    import cache_dit
+    from cache_dit.quantization import SVDQW4A4Linear
+
+    def load():
+        return load_transformer(tiny_dit_file, torch.bfloat16)
+
+    def quantized():
+        return load_or_build_svdq(load, METHOD, source=tiny_dit_file, device=torch.device("cpu"), cache=cache)
+
+    def saved_stamp():
+        return (cache.entry(tiny_dit_file, METHOD) / f"{METHOD}.safetensors").stat().st_mtime_ns
+
+    built = quantized()
+    assert all(isinstance(block.mlp.gate_proj, SVDQW4A4Linear) for block in built.layers)
+    for high_precision in (built.text_proj, built.adaLN_modulation[1], built.final_linear):
+        assert type(high_precision) is torch.nn.Linear and high_precision.weight.dtype == torch.bfloat16
+    stamp = saved_stamp()
+
+    reloaded = quantized()
+    assert saved_stamp() == stamp  # read back, not quantized again
+    for name, tensor in built.layers[1].self_attention.to_q.state_dict().items():
+        assert torch.equal(tensor, reloaded.layers[1].self_attention.to_q.state_dict()[name]), name
+
+    entry = cache.entry(tiny_dit_file, METHOD)
+    (entry / "quant_config.json").write_text(json.dumps({**json.loads((entry / "quant_config.json").read_text()),
+                                                         "quant_type": "svdq_int4_r128_dq"}))
+    assert isinstance(quantized().layers[0].mlp.up_proj, SVDQW4A4Linear)  # cache_dit.load refused it: rebuilt
+    assert saved_stamp() != stamp and cache.lookup(tiny_dit_file, METHOD, {"cache_dit": cache_dit.__version__})
+    stamp = saved_stamp()
+
+    stat = tiny_dit_file.stat()
+    os.utime(tiny_dit_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    quantized()
+    assert saved_stamp() != stamp  # the source changed: quantized again
