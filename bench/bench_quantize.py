@@ -195,6 +195,7 @@ def failed(row: dict, error: Exception, key: str = "error") -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled timings")
+    parser.add_argument("--no-run", action="store_true", help="skip the whole Turbo run with CPU-quantized weights")
     args = parser.parse_args()
     use_comfyui()
     from comfyui_ernie_image.nodes.accel.capability import METHODS, probe, problem
@@ -224,7 +225,7 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
         save(facts, rows, refused, runs)
-    if RUN_METHOD not in refused:
+    if RUN_METHOD not in refused and not args.no_run:
         run = dict(method=RUN_METHOD)
         try:
             run.update(measure_run(RUN_METHOD))

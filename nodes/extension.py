@@ -7,8 +7,9 @@ from comfy_api.v0_0_2 import ComfyExtension, io
 
 class ErnieImageExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        from .accel.nodes import ACCEL_NODES
         from .dit.nodes import DIT_NODES
         from .pe.nodes import PE_NODES
         from .text.nodes import TEXT_NODES
 
-        return [*DIT_NODES, *PE_NODES, *TEXT_NODES]
+        return [*DIT_NODES, *PE_NODES, *TEXT_NODES, *ACCEL_NODES]

@@ -20,10 +20,13 @@ def text_to_image(
     sampler: str = "custom",
     dit_file: str | None = None,
     prefix: str = "ernie",
+    model_nodes: tuple[tuple[str, dict], ...] = (),
 ) -> dict:
     """The Turbo/Base graph: loader → encode ×2 → empty latent → (SamplerCustom + scheduler | KSampler) → decode → save.
 
     ``dit_file`` loads the DiT through ``ErnieImageDiTLoader`` instead of the snapshot's transformer.
+    ``model_nodes``: MODEL→MODEL nodes ``(class_type, inputs)`` chained between the loader and the sampler, with
+    node ids ``model_0``, ``model_1``, …
     """
     graph = {
         "loader": _node("ErnieImageLoader", model_name=snapshot, weight_dtype="default", quantization="none"),
@@ -37,6 +40,9 @@ def text_to_image(
     if dit_file is not None:
         graph["dit"] = _node("ErnieImageDiTLoader", model_name=dit_file, weight_dtype="default", quantization="none")
         model = ["dit", 0]
+    for i, (class_type, inputs) in enumerate(model_nodes):
+        graph[f"model_{i}"] = _node(class_type, model=model, **inputs)
+        model = [f"model_{i}", 0]
     conditioning = dict(positive=["positive", 0], negative=["negative", 0], latent_image=["latent", 0])
     if sampler == "custom":
         graph["sigmas"] = _node("ErnieImageScheduler", model=model, steps=steps, shift=4.0)

@@ -1,0 +1,87 @@
+"""Regional ``torch.compile`` of a DiT's repeated blocks, for one sampling run (engine: no ComfyUI here).
+
+Like diffusers' ``compile_repeated_blocks``: each block's call is compiled, and since the blocks are alike, one
+compiled graph serves all of them (dynamo's cache lives with the code, so installing again on the next run
+compiles nothing new). The sequence length (image tokens + text tokens) is marked dynamic before each call, so a
+new prompt length or image size does not recompile; the batch size stays static (one graph for a single pass,
+one for batched CFG). Installing sets the blocks' ``_compiled_call_impl`` (what ``nn.Module.compile`` sets);
+removing deletes it, which leaves the blocks exactly as they were.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import torch
+
+MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+def compile_problem(device: torch.device) -> str | None:
+    """Why ``torch.compile`` (inductor) cannot run on ``device`` here, or None when it can."""
+    if device.type == "cpu":
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        try:
+            get_cpp_compiler()
+        except Exception:  # inductor raises its own InvalidCxxCompiler, or OSError/RuntimeError on Windows
+            return ("torch.compile cannot run on the CPU here: it needs a C++ compiler and none was found "
+                    "(g++ or clang on Linux and macOS, the MSVC Build Tools' cl.exe on Windows). "
+                    "Install one, or bypass ErnieImageCompile.")
+    elif device.type in ("cuda", "xpu"):
+        from torch.utils._triton import has_triton_package
+
+        if not has_triton_package():
+            return (f"torch.compile needs Triton on {device.type.upper()} GPUs and it is not installed "
+                    "(on Windows: pip install triton-windows). Install it, or bypass ErnieImageCompile.")
+    return None
+
+
+def _tensors(values) -> Iterator[torch.Tensor]:
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from _tensors(v)
+
+
+def _mark_sequence_dynamic(args: tuple, kwargs: dict) -> None:
+    """Mark the token axis dynamic in every block input. The hidden states are ``[S, B, H]`` (diffusers) or
+    ``[B, S, H]`` (ComfyUI's native ERNIE): the sequence is the longer of the first two axes. Float tensors carry
+    features last, so their last axis is never the sequence; a boolean attention mask has no feature axis."""
+    x = args[0]
+    length = max(x.shape[:-1])
+    for t in _tensors((*args, *kwargs.values())):
+        axes = range(t.ndim) if t.dtype == torch.bool else range(t.ndim - 1)
+        for axis in axes:
+            if t.shape[axis] == length:
+                torch._dynamo.maybe_mark_dynamic(t, axis)
+
+
+def _call_with_dynamic_sequence(compiled, *args, **kwargs):
+    _mark_sequence_dynamic(args, kwargs)
+    return compiled(*args, **kwargs)
+
+
+class RegionalCompile:
+    """Compiles each block of ``blocks`` for one run: ``install`` before it, ``remove`` after (always)."""
+
+    def __init__(self, blocks: torch.nn.ModuleList, mode: str = "default"):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.blocks, self.mode = blocks, mode
+        self._previous: list = []
+
+    def install(self) -> None:
+        self._previous = [vars(block).get("_compiled_call_impl") for block in self.blocks]
+        for block in self.blocks:
+            compiled = torch.compile(block._call_impl, mode=None if self.mode == "default" else self.mode)
+            block._compiled_call_impl = functools.partial(_call_with_dynamic_sequence, compiled)
+
+    def remove(self) -> None:
+        for block, previous in zip(self.blocks, self._previous, strict=False):
+            if previous is None:
+                vars(block).pop("_compiled_call_impl", None)
+            else:  # compiled by someone else before this run: theirs again
+                block._compiled_call_impl = previous

@@ -1,0 +1,132 @@
+"""The accelerators on a ComfyUI MODEL, per sampling run (ComfyUI adapter).
+
+A MODEL→MODEL node clones the ModelPatcher, but a clone shares the torch module, so nothing may stay patched
+into it between runs. The nodes therefore only record their settings in the clone's ``model_options`` and add
+wrappers (the pattern of core's EasyCache node):
+
+- ``SAMPLER_SAMPLE`` (around one sampling run's loop, after ComfyUI loaded the model): installs cache-dit's hooks
+  or the compiled blocks, with that run's real step count (from its sigmas), and removes them in ``finally`` —
+  after success, error or interrupt;
+- ``APPLY_MODEL`` (around each model call, cache only): selects the cache context for the call's
+  ``cond_or_uncond`` at the step that the call's sigma belongs to.
+
+A graph without the node has neither wrapper, so a bypassed or deleted node leaves nothing behind. No state
+lives outside the clone's options and the run's own objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+
+import comfy.model_patcher
+import comfy.patcher_extension
+import torch
+
+from ..errors import ErnieImageError
+from .cache import CacheRun, check_block_count, step_index
+from .cache_presets import CacheSettings
+from .compile import RegionalCompile, compile_problem
+
+log = logging.getLogger(__name__)
+CACHE_KEY, COMPILE_KEY = "ernie_image_cache_dit", "ernie_image_compile"
+RUN_KEY = "ernie_image_cache_dit_run"
+SAMPLER_SAMPLE = comfy.patcher_extension.WrappersMP.SAMPLER_SAMPLE
+APPLY_MODEL = comfy.patcher_extension.WrappersMP.APPLY_MODEL
+
+
+@dataclass(frozen=True)
+class CacheJob:
+    """What an ErnieImageCacheDiT node asked for (kept in the clone's model_options, copied with it)."""
+
+    settings: CacheSettings
+    label: str  # the preset's name, for the summary
+    node_id: str | None  # where the summary is shown in the UI
+
+
+def dit_blocks(model: comfy.model_patcher.ModelPatcher) -> tuple[torch.nn.Module, str]:
+    """The module that holds the DiT's repeated blocks, and the attribute they are in: ``diffusion_model.
+    transformer.layers`` for this pack's MODEL, ``diffusion_model.layers`` for ComfyUI's native ERNIE-Image."""
+    diffusion_model = getattr(model.model, "diffusion_model", None)
+    for holder in (getattr(diffusion_model, "transformer", None), diffusion_model):
+        if isinstance(getattr(holder, "layers", None), torch.nn.ModuleList) and len(holder.layers) > 0:
+            return holder, "layers"
+    raise ErnieImageError(
+        f"This MODEL ({type(model.model).__name__}) is not an ERNIE-Image DiT: its diffusion model has no "
+        "'layers' block list. Connect the MODEL of an ERNIE-Image loader (or ComfyUI's native ERNIE-Image)."
+    )
+
+
+def show_on_node(node_id: str | None, text: str) -> None:
+    """Show ``text`` on the node in the ComfyUI frontend (when a ComfyUI server runs this process)."""
+    server = sys.modules.get("server")  # ComfyUI's server module; absent when the core runs without a server
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    if instance is not None and node_id is not None:
+        instance.send_progress_text(text, node_id, sid=instance.client_id)  # the client that queued the prompt
+
+
+def _cache_sampler_sample(executor, *args, **kwargs):
+    # KSAMPLER.sample(guider, sigmas, extra_args, callback, noise, ...), after the model was loaded
+    guider, sigmas, extra_args = args[0], args[1], args[2]
+    transformer_options = extra_args["model_options"]["transformer_options"]  # this run's own copy
+    job: CacheJob = transformer_options[CACHE_KEY]
+    holder, blocks_name = dit_blocks(guider.model_patcher)
+    run = CacheRun(holder, blocks_name, job.settings, steps=len(sigmas) - 1)
+    transformer_options[RUN_KEY] = run  # reached by _cache_apply_model at each model call
+    try:
+        run.install()
+        return executor(*args, **kwargs)
+    finally:
+        run.remove()
+        summary = f"Cache-DiT [{job.label}] {run.summary()}"
+        log.info("ERNIE-Image %s", summary)
+        show_on_node(job.node_id, summary)
+
+
+def _cache_apply_model(executor, *args, **kwargs):
+    # BaseModel.apply_model(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+    sigma, transformer_options = args[1], args[5]
+    run: CacheRun | None = transformer_options.get(RUN_KEY)
+    if run is not None:
+        step = step_index(transformer_options["sample_sigmas"], float(sigma[0]))
+        run.activate(tuple(transformer_options.get("cond_or_uncond", ())), step)
+    return executor(*args, **kwargs)
+
+
+def apply_cache(model: comfy.model_patcher.ModelPatcher, job: CacheJob) -> comfy.model_patcher.ModelPatcher:
+    """A clone of ``model`` that samples with Cache-DiT (a later cache node in a chain replaces an earlier one)."""
+    holder, blocks_name = dit_blocks(model)
+    check_block_count(job.settings, len(getattr(holder, blocks_name)))
+    model = model.clone()
+    model.model_options.setdefault("transformer_options", {})[CACHE_KEY] = job
+    for wrapper_type, wrapper in ((SAMPLER_SAMPLE, _cache_sampler_sample), (APPLY_MODEL, _cache_apply_model)):
+        model.remove_wrappers_with_key(wrapper_type, CACHE_KEY)
+        model.add_wrapper_with_key(wrapper_type, CACHE_KEY, wrapper)
+    return model
+
+
+def _compile_sampler_sample(executor, *args, **kwargs):
+    guider, extra_args = args[0], args[2]
+    holder, blocks_name = dit_blocks(guider.model_patcher)
+    mode = extra_args["model_options"]["transformer_options"][COMPILE_KEY]
+    regional = RegionalCompile(getattr(holder, blocks_name), mode)
+    try:
+        regional.install()
+        return executor(*args, **kwargs)
+    finally:
+        regional.remove()
+
+
+def apply_compile(model: comfy.model_patcher.ModelPatcher, mode: str) -> comfy.model_patcher.ModelPatcher:
+    """A clone of ``model`` whose blocks are compiled for each sampling run; a clear error where compile cannot
+    run on the model's device."""
+    dit_blocks(model)
+    problem = compile_problem(torch.device(model.load_device))
+    if problem is not None:
+        raise ErnieImageError(problem)
+    model = model.clone()
+    model.model_options.setdefault("transformer_options", {})[COMPILE_KEY] = mode
+    model.remove_wrappers_with_key(SAMPLER_SAMPLE, COMPILE_KEY)
+    model.add_wrapper_with_key(SAMPLER_SAMPLE, COMPILE_KEY, _compile_sampler_sample)
+    return model

@@ -1,0 +1,62 @@
+"""In-process sampling of the tiny DiT through ComfyUI's own sampler, for the accelerator tests."""
+
+from __future__ import annotations
+
+import comfy.sample
+import comfy.samplers
+import torch
+
+from comfyui_ernie_image.nodes.dit.model import make_model_patcher
+from comfyui_ernie_image.nodes.dit.schedule import reference_sigmas
+from comfyui_ernie_image.nodes.dit.weights import load_transformer
+
+TEXT_DIM = 32  # tiny text encoder width (scripts/tiny_models.py)
+
+
+def tiny_patcher(snapshot):
+    """The tiny snapshot's DiT as the pack's MODEL (float32, CPU)."""
+    return make_model_patcher(load_transformer(snapshot, torch.float32))
+
+
+def text(length: int, seed: int) -> torch.Tensor:
+    """A stand-in prompt embedding ``[1, length, 32]``."""
+    return torch.randn(1, length, TEXT_DIM, generator=torch.manual_seed(seed))
+
+
+def sample(model, *, steps: int = 8, cfg: float = 4.0, prompt: torch.Tensor | None = None,
+           negative: torch.Tensor | None = None, size: tuple[int, int] = (8, 8), seed: int = 1,
+           sampler: str = "euler", callback=None) -> torch.Tensor:
+    """ComfyUI's SamplerCustom path (``comfy.sample.sample_custom``) on the reference sigmas; returns the latent."""
+    prompt = text(7, 100) if prompt is None else prompt
+    negative = text(3, 200) if negative is None else negative  # another length: batched CFG pads
+    noise = torch.randn(1, 128, *size, generator=torch.manual_seed(seed))
+    with torch.inference_mode():
+        return comfy.sample.sample_custom(
+            model, noise, cfg, comfy.samplers.ksampler(sampler), reference_sigmas(steps), [[prompt, {}]],
+            [[negative, {}]], torch.zeros_like(noise), callback=callback, disable_pbar=True, seed=seed,
+        )
+
+
+def module_state(model) -> list[dict[str, int]]:
+    """The instance attributes (name → object id) of the DiT, its block list and every block: equal before and
+    after a run when the run left no trace (no patched forward, no cache-dit attributes, no compiled call)."""
+    transformer = model.model.diffusion_model.transformer
+    return [{k: id(v) for k, v in vars(m).items()} for m in (transformer, transformer.layers, *transformer.layers)]
+
+
+class CallCounter:
+    """Counts the calls of some blocks (forward hooks): which blocks a step really computed."""
+
+    def __init__(self, model, indices: list[int]):
+        layers = model.model.diffusion_model.transformer.layers
+        self.calls = dict.fromkeys(indices, 0)
+        self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in indices]
+
+    def _hook(self, index: int):
+        def hook(module, args, output):
+            self.calls[index] += 1
+        return hook
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()

@@ -1,0 +1,74 @@
+"""Regional compile of the pack's MODEL on the CPU (inductor with the machine's C++ compiler), in this process.
+
+Kept small: every test samples at batch 1 (CFG 1), so one compiled block graph serves the whole module.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+import torch._inductor.config
+from torch._dynamo.utils import counters
+
+from comfyui_ernie_image.nodes.accel.cache_presets import CacheSettings
+from comfyui_ernie_image.nodes.accel.compile import compile_problem
+from comfyui_ernie_image.nodes.accel.patching import CacheJob, apply_cache, apply_compile
+from comfyui_ernie_image.nodes.errors import ErnieImageError
+from helpers.accel import module_state, sample, text, tiny_patcher
+
+TURBO = dict(cfg=1.0, steps=4)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_models):
+    torch._dynamo.reset()
+    return tiny_patcher(tiny_models["snapshot"])
+
+
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def test_compiled_blocks_match_eager_and_new_prompts_do_not_recompile(plain):
+    before = module_state(plain)
+    compiled = apply_compile(plain, "default")
+    first = dict(prompt=text(7, 1), size=(8, 8))
+    assert torch.allclose(sample(compiled, **first, **TURBO), sample(plain, **first, **TURBO), atol=1e-4)
+    assert module_state(plain) == before, "the compiled blocks stayed installed after the run"
+    compiled_graphs = graphs()
+    assert compiled_graphs >= 1
+
+    other = dict(prompt=text(12, 2), size=(6, 10))  # another text length and image size: another sequence length
+    assert torch.allclose(sample(compiled, **other, **TURBO), sample(plain, **other, **TURBO), atol=1e-4)
+    assert graphs() == compiled_graphs, "a new prompt length recompiled the blocks"
+    assert module_state(plain) == before
+
+
+@pytest.mark.parametrize("order", ["compile-then-cache", "cache-then-compile"])
+def test_compile_works_before_or_after_the_cache_node(plain, order):
+    job = CacheJob(CacheSettings(steps_mask="medium", steps_mask_cache="static"), "test", None)
+    cached_only = sample(apply_cache(plain, job), **TURBO)
+    if order == "compile-then-cache":
+        both = apply_cache(apply_compile(plain, "default"), job)
+    else:
+        both = apply_compile(apply_cache(plain, job), "default")
+    assert torch.allclose(sample(both, **TURBO), cached_only, atol=1e-4)
+    assert not torch.allclose(cached_only, sample(plain, **TURBO), atol=1e-3), "nothing was cached"
+
+
+def test_a_missing_cpu_compiler_is_named(plain, monkeypatch):
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("ernie-test-no-such-compiler",))
+    with pytest.raises(ErnieImageError, match="torch.compile cannot run on the CPU here: it needs a C\\+\\+ compiler "
+                                              "and none was found"):
+        apply_compile(plain, "default")
+
+
+def test_missing_triton_is_named(monkeypatch):
+    import torch.utils._triton
+
+    monkeypatch.setattr(torch.utils._triton, "has_triton_package", lambda: False)
+    problem = compile_problem(torch.device("cuda"))
+    assert "torch.compile needs Triton on CUDA GPUs and it is not installed (on Windows: pip install " \
+           "triton-windows)" in problem
+    assert compile_problem(torch.device("cpu")) is None
