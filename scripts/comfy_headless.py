@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until_serving(process: subprocess.Popen, url: str, timeout: float, log: Callable[[], str]) -> None:
+    """Wait until ``url`` answers 200, failing early (with the process's ``log()``) when the process exits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args[:3]} exited at start:\n{log()}")
+        try:
+            if requests.get(url, timeout=2).ok:
+                return
+        except requests.ConnectionError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not answer within {timeout:.0f} s:\n{log()}")
+        time.sleep(0.3)
 
 
 @dataclass
@@ -83,17 +100,7 @@ class ComfyServer:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the log is read while the server runs
         self.process = subprocess.Popen(self.args, cwd=self.comfy_dir, stdout=self._log, stderr=subprocess.STDOUT,
                                         env=env)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"ComfyUI exited at start:\n{self.log()}")
-            try:
-                if requests.get(f"{self.url}/object_info/ErnieImageLoader", timeout=2).ok:
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"ComfyUI did not start in {timeout}s:\n{self.log()}")
+        wait_until_serving(self.process, f"{self.url}/object_info/ErnieImageLoader", timeout, self.log)
 
     def stop(self) -> None:
         if self.process is not None:

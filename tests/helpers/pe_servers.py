@@ -16,9 +16,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import requests
-
-from comfy_headless import free_port
+from comfy_headless import free_port, wait_until_serving
 
 
 @dataclass
@@ -122,18 +120,7 @@ def transformers_serve(model_folder: Path, workdir: Path) -> Iterator[str]:
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"transformers serve exited:\n{(workdir / 'transformers_serve.log').read_text()}")
-            try:
-                if requests.get(f"{url}/v1/models", timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("transformers serve did not answer /v1/models within 120 s")
-            time.sleep(0.3)
+        wait_until_serving(process, f"{url}/v1/models", 120, (workdir / "transformers_serve.log").read_text)
         yield url
     finally:
         process.terminate()
