@@ -90,7 +90,7 @@ class ComfyServer:
         paths.write_text(f"ernie:\n  base_path: {base_dir}\n  custom_nodes: {custom_nodes_dir}\n{model_folders}\n")
         self.args = [
             sys.executable, "main.py", *(["--cpu"] if cpu else []), "--listen", "127.0.0.1", "--port", str(self.port),
-            "--disable-auto-launch", "--disable-api-nodes", *frontend_args,
+            "--disable-auto-launch", "--disable-api-nodes", "--verbose", "DEBUG", *frontend_args,
             "--base-directory", str(base_dir), "--extra-model-paths-config", str(paths),
         ]
         self.process: subprocess.Popen | None = None
@@ -144,8 +144,27 @@ class ComfyServer:
     def interrupt(self) -> None:
         requests.post(f"{self.url}/interrupt", timeout=30)
 
-    def free(self) -> None:
+    def wait_for_log(self, text: str, start: int, timeout: float = 60.0) -> str:
+        """The log from offset ``start`` once ``text`` appears in it (the server writes it asynchronously)."""
+        deadline = time.monotonic() + timeout
+        while text not in self.log()[start:]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"'{text}' did not appear in the server log within {timeout:.0f} s")
+            time.sleep(0.1)
+        return self.log()[start:]
+
+    def run_logged(self, prompt: dict) -> tuple[PromptResult, str]:
+        """Run ``prompt`` and return its result with what the server logged for it."""
+        start = len(self.log())
+        result = self.run(prompt)
+        return result, self.wait_for_log("Prompt executed", start)
+
+    def free(self, unloads: str) -> None:
+        """``POST /free`` (unload models, free memory), then wait until the worker logs ``Unloading <unloads>``:
+        it acts on the request between prompts, and only at DEBUG level does it say what it unloaded."""
+        start = len(self.log())
         requests.post(f"{self.url}/free", json={"unload_models": True, "free_memory": True}, timeout=30)
+        self.wait_for_log(f"Unloading {unloads}", start)
 
     def output_images(self, result: PromptResult) -> list[Path]:
         paths = []

@@ -154,17 +154,14 @@ def test_e2e_interrupt_stops_the_enhancer_and_the_next_prompt_runs(comfy_server)
 
 def test_e2e_free_unloads_the_enhancer_from_model_management(comfy_server):
     def run(seed: int) -> str:
-        start = len(comfy_server.log())
-        result = comfy_server.run(enhance_graph(FOLDER_LOADER, "free test", max_new_tokens=4, seed=seed,
-                                                temperature=0.6))
+        graph = enhance_graph(FOLDER_LOADER, "free test", max_new_tokens=4, seed=seed, temperature=0.6)
+        result, log = comfy_server.run_logged(graph)
         assert result.status == "success", result.messages
-        time.sleep(0.5)  # the log is written by the server process
-        return comfy_server.log()[start:]
+        return log
 
     run(seed=300)  # loads the PE
     assert "Requested to load PromptEnhancerModule" not in run(seed=301), "the loaded PE was loaded again"
-    comfy_server.free()
-    time.sleep(2)  # the worker acts on /free between prompts
+    comfy_server.free(unloads="PromptEnhancerModule")
     assert "Requested to load PromptEnhancerModule" in run(seed=302)
 
 
