@@ -14,11 +14,11 @@ import websocket
 from PIL import Image
 
 from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
+from comfyui_ernie_image.nodes.pe.locate import pe_choices
 from comfyui_ernie_image.nodes.pe.nodes import (
     ErnieImagePELoader,
     ErnieImagePERemote,
     ErnieImagePromptEnhance,
-    pe_choices,
     result_cache,
 )
 from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, SamplingParams

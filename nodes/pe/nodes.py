@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import functools
-import json
-import os
-import re
 from pathlib import Path
 
 import folder_paths
 import torch
 from comfy_api.v0_0_2 import io, ui
 
-from ..paths import SNAPSHOT_PREFIX, check_choice, snapshot_names, snapshot_path
+from ..paths import check_choice
 from .cache import ResultCache, enhance_cached
 from .local import DTYPES, LocalPromptEnhancer
+from .locate import pe_choices, pe_path
 from .protocol import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_TEMPERATURE,
@@ -27,48 +25,6 @@ from .remote import RemotePromptEnhancer
 from .runtime import default_runtime
 
 ErniePEType = io.Custom("ERNIE_PE")
-TEXT_ENCODERS_PREFIX = "text_encoders/"
-# Single files under text_encoders that are prompt enhancers (the text encoder file has the same architecture).
-_PE_FILE = re.compile(r"(enhancer|(^|[^a-z])pe([^a-z]|$))", re.IGNORECASE)
-
-
-def _is_pe_folder(folder: Path) -> bool:
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return (folder / "pe" / "config.json").is_file()
-    return config.get("model_type") == "ministral3" and any(
-        (folder / name).is_file() for name in ("tokenizer.json", "tekken.json")
-    )
-
-
-def _text_encoder_pe_names() -> list[str]:
-    names = {n for n in folder_paths.get_filename_list("text_encoders")
-             if n.endswith(".safetensors") and _PE_FILE.search(Path(n).name)}
-    for root in folder_paths.get_folder_paths("text_encoders"):
-        for current, dirs, _ in os.walk(root, followlinks=True):
-            if _is_pe_folder(Path(current)) and Path(current) != Path(root):
-                names.add(os.path.relpath(current, root).replace(os.sep, "/"))
-                dirs.clear()
-    return sorted(names)
-
-
-def pe_choices() -> list[str]:
-    """Snapshots with a ``pe/`` (``diffusers/<name>``) and PE folders or files under ``text_encoders``."""
-    snapshots = [SNAPSHOT_PREFIX + n for n in snapshot_names() if _is_pe_folder(snapshot_path(n))]
-    return snapshots + [TEXT_ENCODERS_PREFIX + n for n in _text_encoder_pe_names()]
-
-
-def _pe_path(name: str) -> Path:
-    if name.startswith(SNAPSHOT_PREFIX):
-        return snapshot_path(name[len(SNAPSHOT_PREFIX):])
-    relative = name.removeprefix(TEXT_ENCODERS_PREFIX)
-    for root in folder_paths.get_folder_paths("text_encoders"):
-        if (Path(root) / relative).exists():
-            return Path(root) / relative
-    raise EnhancerError(f"'{name}' was not found under ComfyUI's models/text_encoders or models/diffusers")
-
-
 def _devices() -> list[str]:
     return ["default", "cpu", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
 
@@ -100,7 +56,7 @@ class ErnieImagePELoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, model_name: str, device: str = "default", dtype: str = "auto") -> io.NodeOutput:
-        return io.NodeOutput(LocalPromptEnhancer.from_path(_pe_path(model_name), device=device, dtype=dtype))
+        return io.NodeOutput(LocalPromptEnhancer.from_path(pe_path(model_name), device=device, dtype=dtype))
 
 
 class ErnieImagePERemote(io.ComfyNode):
