@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 from collections import Counter
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -19,12 +20,13 @@ import requests
 
 from comfy_headless import ComfyServer
 from conftest import COMFY_DIR, REPO
+from helpers.pe_servers import transformers_serve
 
 WORKFLOWS = sorted((REPO / "workflows").glob("*.json"))
 IDS = [p.stem for p in WORKFLOWS]
 RELEASE_SNAPSHOTS = ("ERNIE-Image-Turbo", "ERNIE-Image")
 RELEASE_DIT_FILES = ("ernie-image-turbo.safetensors", "ernie-image.safetensors")
-SEED_INPUTS = {"seed", "noise_seed"}  # the frontend stores "control_after_generate" right after these
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 CHROMIUM = "/usr/bin/chromium"
 # Set ERNIE_UPDATE_SCREENSHOTS=1 to refresh the README pictures in docs/ from this test.
 DOCS = REPO / "docs"
@@ -102,13 +104,20 @@ def test_workflow_loads_in_the_frontend(ui_server, browser, path, tmp_path):
 
 
 def _widget_values(ui_node: dict, info: dict) -> dict:
-    """Map a UI node's ``widgets_values`` onto input names: every input not fed by a link, in the server's order."""
+    """Map a UI node's ``widgets_values`` onto input names, in the server's input order: every widget input has a
+    value (a widget fed by a link too, then ignored), and a seed with "control after generate" one more."""
     linked = {i["name"] for i in ui_node.get("inputs", []) if i.get("link") is not None}
+    specs = info["input"].get("required", {}) | info["input"].get("optional", {})
     order = info["input_order"].get("required", []) + info["input_order"].get("optional", [])
     values, out = iter(ui_node["widgets_values"]), {}
-    for name in (n for n in order if n not in linked):
-        out[name] = next(values)
-        if name in SEED_INPUTS:
+    for name in order:
+        kind, options = specs[name][0], (specs[name][1] if len(specs[name]) > 1 else {})
+        if not (isinstance(kind, list) or kind in WIDGET_TYPES):
+            continue
+        value = next(values)
+        if name not in linked:
+            out[name] = value
+        if options.get("control_after_generate"):
             next(values)
     return out
 
@@ -136,11 +145,17 @@ def test_ui_workflow_and_api_twin_agree(ui_server, path):
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=IDS)
-def test_api_twin_runs_to_an_image(ui_server, path):
+def test_api_twin_runs_to_an_image(ui_server, tiny_models, path, tmp_path):
     graph = _api_twin(path)
     for node in graph.values():  # tiny models, small images: the graph is the point, not the size
         if node["class_type"].startswith("Empty") and "width" in node["inputs"]:
             node["inputs"].update(width=128, height=128)
-    result = ui_server.run(graph)
+        if node["class_type"] == "ErnieImagePromptEnhance":
+            node["inputs"]["max_new_tokens"] = 16
+    with ExitStack() as stack:
+        for node in graph.values():
+            if node["class_type"] == "ErnieImagePERemote":  # a real OpenAI-compatible server on the tiny PE
+                node["inputs"]["base_url"] = stack.enter_context(transformers_serve(tiny_models["pe_folder"], tmp_path))
+        result = ui_server.run(graph)
     assert result.status == "success", result.messages
     assert [p for p in ui_server.output_images(result) if p.is_file()]

@@ -121,7 +121,8 @@ class ErnieImagePromptEnhance(io.ComfyNode):
                                tooltip="Nucleus sampling. Baidu's recipe: 0.8."),
                 io.Int.Input("max_new_tokens", default=DEFAULT_MAX_NEW_TOKENS, min=1, max=8192,
                              tooltip="Longest enhanced prompt, in tokens; a warning says when a text was cut."),
-                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, tooltip="The same seed gives the same text."),
+                io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=True,
+                             tooltip="The same seed gives the same text."),
             ],
             outputs=[io.String.Output(display_name="prompt", is_output_list=True)],
         )
