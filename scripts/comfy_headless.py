@@ -60,12 +60,12 @@ class PromptResult:
 class ComfyServer:
     """Starts ComfyUI's ``main.py`` on a free port with its own base directory; talks to it over HTTP.
 
-    ``pack_dir`` is installed as ``custom_nodes/comfyui-ernie-image`` (a link); ``ui`` serves the real frontend
+    ``pack_dir`` is installed as ``custom_nodes/<pack_name>`` (a link); ``ui`` serves the real frontend
     (the ``comfyui-frontend-package``), otherwise a placeholder page.
     """
 
     def __init__(self, comfy_dir: Path, base_dir: Path, pack_dir: Path, models_dir: Path, cpu: bool = True,
-                 ui: bool = False):
+                 ui: bool = False, pack_name: str = "comfyui-ernie-image"):
         self.comfy_dir = comfy_dir
         self.base_dir = base_dir
         self.port = free_port()
@@ -73,7 +73,7 @@ class ComfyServer:
         self.log_path = base_dir / "server.log"
         custom_nodes_dir = base_dir / "custom_nodes"
         custom_nodes_dir.mkdir(parents=True, exist_ok=True)
-        link = custom_nodes_dir / "comfyui-ernie-image"
+        link = custom_nodes_dir / pack_name
         if not link.exists():
             link.symlink_to(pack_dir, target_is_directory=True)
         frontend_args = []
