@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import folder_paths
@@ -11,6 +12,14 @@ import folder_paths
 from .errors import ErnieImageError
 
 SNAPSHOT_PREFIX = "diffusers/"  # how a snapshot folder is named among single files in a model list
+TEXT_ENCODERS_PREFIX = "text_encoders/"  # how a file or folder of models/text_encoders is named in a model list
+# The PE and the text encoder are both Ministral 3 files: under text_encoders, their names tell them apart.
+_PE_FILE = re.compile(r"(enhancer|(^|[^a-z])pe([^a-z]|$))", re.IGNORECASE)
+
+
+def is_prompt_enhancer_file(name: str) -> bool:
+    """Whether a file under ``text_encoders`` is a Prompt Enhancer (by name; the architecture is the same)."""
+    return _PE_FILE.search(Path(name).name) is not None
 
 
 def _is_ernie_snapshot(folder: Path) -> bool:

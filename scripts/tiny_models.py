@@ -74,6 +74,7 @@ def make_tokenizer(chat_template: str | None = None):
 
 
 def _ministral3_config(vocab_size: int, hidden_size: int):
+    """Tiny, but with Ministral 3's 128-wide heads: single-file loaders read the head count off that width."""
     from transformers import Ministral3Config
 
     return Ministral3Config(
@@ -81,9 +82,9 @@ def _ministral3_config(vocab_size: int, hidden_size: int):
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden_size // 4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
         pad_token_id=3,
         bos_token_id=1,
         eos_token_id=2,
@@ -115,9 +116,7 @@ def make_pe(tokenizer, generator: torch.Generator):
 
     from transformers import Ministral3ForCausalLM
 
-    config = _ministral3_config(len(tokenizer), 32)
-    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 2, 1, 128
-    pe = Ministral3ForCausalLM(config).eval()
+    pe = Ministral3ForCausalLM(_ministral3_config(len(tokenizer), 32)).eval()
     words = [i for i in range(len(tokenizer)) if re.fullmatch(r" [a-z]{2,}", tokenizer.decode([i]))]
     words.append(tokenizer.eos_token_id)
     with torch.no_grad():
@@ -167,9 +166,24 @@ def save_pe_layouts(pipe, text_encoders_dir: Path) -> dict[str, Path]:
     pipe.pe_tokenizer.save_pretrained(folder)
     single = text_encoders_dir / "ernie-image-prompt-enhancer-tiny.safetensors"
     state = {k: v.contiguous() for k, v in pipe.pe.state_dict().items() if k != "lm_head.weight"}  # tied
-    state["tekken_model"] = torch.frombuffer(bytearray(tekken_json(pipe.pe_tokenizer)), dtype=torch.uint8)
+    state["tekken_model"] = tekken_entry(pipe.pe_tokenizer)
     save_file(state, str(single), metadata={"format": "pt"})
     return {"pe_folder": folder, "pe_single_file": single}
+
+
+def tekken_entry(tokenizer) -> torch.Tensor:
+    """The ``tekken_model`` tensor of a ComfyUI single file: the tokenizer's ``tekken.json`` as bytes."""
+    return torch.frombuffer(bytearray(tekken_json(tokenizer)), dtype=torch.uint8)
+
+
+def save_text_encoder_single_file(pipe, path: Path) -> Path:
+    """The text encoder's language model as ComfyUI repacks it (``ministral-3-3b.safetensors``): ``model.`` keys and
+    the tokenizer inside; no vision tower."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {f"model.{k}": v.contiguous() for k, v in pipe.text_encoder.language_model.state_dict().items()}
+    state["tekken_model"] = tekken_entry(pipe.tokenizer)
+    save_file(state, str(path), metadata={"format": "pt"})
+    return path
 
 
 def make_pipeline(seed: int = 0, with_pe: bool = True):
@@ -234,13 +248,18 @@ def save_dit_single_file(transformer: torch.nn.Module, path: Path) -> Path:
 
 
 def write_models_folder(models_dir: Path, seed: int = 0) -> dict[str, Path]:
-    """A ComfyUI ``models`` folder holding one tiny snapshot, the single-file DiT of the same weights and the
-    snapshot's PE in the ``text_encoders`` layouts."""
+    """A ComfyUI ``models`` folder holding one tiny snapshot and its parts as single files: the DiT
+    (``diffusion_models``), the text encoder and the PE (``text_encoders``, the PE also as a folder), the VAE."""
     pipe = make_pipeline(seed)
     snapshot = save_snapshot(pipe, models_dir / "diffusers" / "ERNIE-Image-Turbo-tiny")
     single_file = models_dir / "diffusion_models" / "ernie-image-turbo-tiny.safetensors"
     single = save_dit_single_file(pipe.transformer, single_file)
-    return {"snapshot": snapshot, "single_file": single, **save_pe_layouts(pipe, models_dir / "text_encoders")}
+    text_encoder = save_text_encoder_single_file(pipe, models_dir / "text_encoders" / "ministral-3-3b-tiny.safetensors")
+    vae = models_dir / "vae" / "flux2-vae-tiny.safetensors"  # the snapshot's VAE file, as a single file
+    vae.parent.mkdir(parents=True, exist_ok=True)
+    vae.write_bytes((snapshot / "vae" / "diffusion_pytorch_model.safetensors").read_bytes())
+    return {"snapshot": snapshot, "single_file": single, "text_encoder_file": text_encoder, "vae_file": vae,
+            **save_pe_layouts(pipe, models_dir / "text_encoders")}
 
 
 def main() -> None:

@@ -49,3 +49,22 @@ def test_single_file_dit_gives_the_same_image(comfy_server):
     from_snapshot = _run(comfy_server, prefix="snapshot_dit", **settings)
     from_file = _run(comfy_server, prefix="file_dit", dit_file="ernie-image-turbo-tiny.safetensors", **settings)
     assert np.abs(from_snapshot - from_file).max() <= 1.0
+
+
+def test_single_files_give_the_snapshot_image(comfy_server, tiny_models):
+    """The ComfyUI-repack layout: DiT, text encoder (tokenizer inside) and VAE each as one file."""
+    settings = dict(width=128, height=128, steps=3, cfg=4.0, seed=8, negative=NEGATIVE, prompt=PROMPT)
+    from_snapshot = _run(comfy_server, prefix="snapshot_parts", **settings)
+    graph = text_to_image(snapshot=SNAPSHOT, dit_file=tiny_models["single_file"].name, prefix="single_files",
+                          **settings)
+    del graph["loader"]
+    graph["te"] = {"class_type": "ErnieImageTextEncoderLoader",
+                   "inputs": {"model_name": "text_encoders/" + tiny_models["text_encoder_file"].name}}
+    graph["vae"] = {"class_type": "ErnieImageVAELoader", "inputs": {"vae_name": tiny_models["vae_file"].name}}
+    for key in ("positive", "negative"):
+        graph[key]["inputs"]["text_encoder"] = ["te", 0]
+    graph["decode"]["inputs"]["vae"] = ["vae", 0]
+    result = comfy_server.run(graph)
+    assert result.status == "success", result.messages
+    (path,) = comfy_server.output_images(result)
+    assert np.abs(saved_image(path) - from_snapshot).max() <= 1.0

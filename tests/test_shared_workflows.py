@@ -26,6 +26,7 @@ WORKFLOWS = sorted((REPO / "workflows").glob("*.json"))
 IDS = [p.stem for p in WORKFLOWS]
 RELEASE_SNAPSHOTS = ("ERNIE-Image-Turbo", "ERNIE-Image")
 RELEASE_DIT_FILES = ("ernie-image-turbo.safetensors", "ernie-image.safetensors")
+RELEASE_TEXT_ENCODER, RELEASE_VAE = "ministral-3-3b.safetensors", "flux2-vae.safetensors"
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 CHROMIUM = "/usr/bin/chromium"
 # Set ERNIE_UPDATE_SCREENSHOTS=1 to refresh the README pictures in docs/ from this test.
@@ -36,12 +37,14 @@ DOCS = REPO / "docs"
 def release_models(tiny_models, tmp_path_factory) -> Path:
     """The tiny models under the names of the released files, so the shared workflows find what they name."""
     root = tmp_path_factory.mktemp("release_models")
-    (root / "diffusers").mkdir()
-    (root / "diffusion_models").mkdir()
+    for folder in ("diffusers", "diffusion_models", "text_encoders", "vae"):
+        (root / folder).mkdir()
     for name in RELEASE_SNAPSHOTS:
         (root / "diffusers" / name).symlink_to(tiny_models["snapshot"], target_is_directory=True)
     for name in RELEASE_DIT_FILES:
         (root / "diffusion_models" / name).symlink_to(tiny_models["single_file"])
+    (root / "text_encoders" / RELEASE_TEXT_ENCODER).symlink_to(tiny_models["text_encoder_file"])
+    (root / "vae" / RELEASE_VAE).symlink_to(tiny_models["vae_file"])
     return root
 
 

@@ -25,7 +25,7 @@ from ..text.managed import ManagedTextEncoder
 from ..text.nodes import ErnieTextEncoderType
 from .model import make_model_patcher
 from .schedule import DEFAULT_SHIFT, reference_sigmas, snapshot_shift
-from .vae import load_snapshot_vae
+from .vae import load_snapshot_vae, load_vae
 from .weights import load_transformer
 
 WEIGHT_DTYPES = {"default": None, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -162,4 +162,26 @@ class ErnieImageScheduler(io.ComfyNode):
         return io.NodeOutput(reference_sigmas(steps, shift))
 
 
-DIT_NODES = [ErnieImageLoader, ErnieImageDiTLoader, ErnieImageScheduler]
+class ErnieImageVAELoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ErnieImageVAELoader",
+            display_name="ERNIE-Image VAE Loader",
+            category="ERNIE-Image/loaders",
+            description="Loads the Flux.2 VAE file (flux2-vae.safetensors) for ERNIE-Image latents with the trained "
+            "batch-norm epsilon, so it decodes exactly as diffusers does (core's VAE Loader assumes 1e-4).",
+            inputs=[io.Combo.Input("vae_name", options=safetensors_names("vae"), tooltip="A file in models/vae.")],
+            outputs=[io.Vae.Output()],
+        )
+
+    @classmethod
+    def validate_inputs(cls, vae_name: str) -> bool | str:
+        return check_choice(vae_name, safetensors_names("vae"), "vae")
+
+    @classmethod
+    def execute(cls, vae_name: str) -> io.NodeOutput:
+        return io.NodeOutput(load_vae(model_file_path("vae", vae_name)))
+
+
+DIT_NODES = [ErnieImageLoader, ErnieImageDiTLoader, ErnieImageScheduler, ErnieImageVAELoader]

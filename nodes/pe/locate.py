@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import folder_paths
 
-from ..paths import SNAPSHOT_PREFIX, snapshot_names, snapshot_path
+from ..paths import SNAPSHOT_PREFIX, TEXT_ENCODERS_PREFIX, is_prompt_enhancer_file, snapshot_names, snapshot_path
 from .protocol import EnhancerError
-
-TEXT_ENCODERS_PREFIX = "text_encoders/"
-# Single files under text_encoders that are prompt enhancers (the text encoder file has the same architecture).
-_PE_FILE = re.compile(r"(enhancer|(^|[^a-z])pe([^a-z]|$))", re.IGNORECASE)
 
 
 def _is_pe_folder(folder: Path) -> bool:
@@ -29,7 +24,7 @@ def _is_pe_folder(folder: Path) -> bool:
 
 def _text_encoder_pe_names() -> list[str]:
     names = {n for n in folder_paths.get_filename_list("text_encoders")
-             if n.endswith(".safetensors") and _PE_FILE.search(Path(n).name)}
+             if n.endswith(".safetensors") and is_prompt_enhancer_file(n)}
     for root in folder_paths.get_folder_paths("text_encoders"):
         for current, dirs, _ in os.walk(root, followlinks=True):
             if _is_pe_folder(Path(current)) and Path(current) != Path(root):

@@ -4,9 +4,9 @@ Three layouts:
 
 - a Hugging Face snapshot of ERNIE-Image(-Turbo): ``pe/`` (``Ministral3ForCausalLM``) and ``pe_tokenizer/``;
 - a Hugging Face folder with both (``pe/`` and ``pe_tokenizer/`` copied together, as for ``vllm serve``);
-- ComfyUI's repack ``ernie-image-prompt-enhancer.safetensors``: the LM's keys plus the Mistral tokenizer as a
-  ``tekken_model`` entry (ComfyUI's own Ministral 3 loader reads it from there). The repack has no chat template, so
-  Baidu's is used: ``chat_template.jinja`` here is ``pe_tokenizer/chat_template.jinja`` of ``baidu/ERNIE-Image-Turbo``
+- ComfyUI's repack ``ernie-image-prompt-enhancer.safetensors`` (read by ``ministral_file``): the LM's keys plus
+  the Mistral tokenizer as a ``tekken_model`` entry. The repack has no chat template, so Baidu's is used:
+  ``chat_template.jinja`` here is ``pe_tokenizer/chat_template.jinja`` of ``baidu/ERNIE-Image-Turbo``
   (revision bc68c81e, sha256 0c859484…ee974ea), byte for byte.
 
 Only safetensors are read and no remote code runs. No ComfyUI.
@@ -17,19 +17,16 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..ministral_file import read_ministral_file
 from .protocol import EnhancerError
 
 BAIDU_CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
-HEAD_DIM = 128  # every Ministral 3 model has 128-wide attention heads
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "tekken.json")
-_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "model.lm_head.": "lm_head."}
 
 
 @dataclass(frozen=True)
@@ -105,56 +102,8 @@ def _load_tokenizer(folder: Path):
 
 
 def _load_single_file(path: Path, dtype: torch.dtype):
-    from safetensors.torch import load_file
-    from transformers import Ministral3ForCausalLM
-
-    state = load_file(path)
-    tekken = state.pop("tekken_model", None)
-    if tekken is None:
-        raise EnhancerError(
-            f"{path.name} carries no tokenizer (no 'tekken_model' entry, as in ComfyUI's repack): use the ERNIE-Image "
-            "snapshot's pe/ and pe_tokenizer/, or a folder with the weights and the tokenizer"
-        )
-    for old, new in _PREFIXES.items():
-        state = {new + k[len(old):] if k.startswith(old) else k: v for k, v in state.items()}
-    if any(not v.is_floating_point() or v.element_size() < 2 for v in state.values()):
-        raise EnhancerError(f"{path.name} holds quantized weights; load the bf16/fp16 prompt-enhancer file instead")
-    config = _config_from_state(state, path)
-    model = Ministral3ForCausalLM.from_pretrained(None, config=config, state_dict=state, dtype=dtype)
-    return model.eval(), _tekken_tokenizer(tekken)
-
-
-def _config_from_state(state: dict[str, torch.Tensor], path: Path):
-    """The Ministral 3 geometry read off the weight shapes (rope settings: Ministral 3's defaults)."""
-    from transformers import Ministral3Config
-
-    try:
-        vocab, hidden = state["model.embed_tokens.weight"].shape
-        layers = 1 + max(int(m.group(1)) for k in state if (m := re.match(r"model\.layers\.(\d+)\.", k)))
-        query = state["model.layers.0.self_attn.q_proj.weight"].shape[0]
-        key = state["model.layers.0.self_attn.k_proj.weight"].shape[0]
-        intermediate = state["model.layers.0.mlp.gate_proj.weight"].shape[0]
-    except (KeyError, ValueError) as error:
-        raise EnhancerError(f"{path.name} is not a Ministral 3 prompt enhancer (missing {error})") from error
-    tied = "lm_head.weight" not in state or torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
-    return Ministral3Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=query // HEAD_DIM, num_key_value_heads=key // HEAD_DIM, head_dim=HEAD_DIM,
-        tie_word_embeddings=tied,
+    return read_ministral_file(
+        path, dtype, what="prompt enhancer", error=EnhancerError,
+        instead="use the ERNIE-Image snapshot's pe/ and pe_tokenizer/, or a folder with the weights and the tokenizer",
+        chat_template=BAIDU_CHAT_TEMPLATE.read_text(encoding="utf-8"),  # the repack has none
     )
-
-
-def _tekken_tokenizer(tekken: torch.Tensor):
-    """A tokenizer from the ``tekken.json`` bytes stored in the file, with Baidu's PE chat template."""
-    try:
-        from transformers.integrations.mistral import convert_tekken_tokenizer
-    except ImportError as error:
-        raise EnhancerError(
-            "reading the tokenizer stored in a ComfyUI prompt-enhancer file needs a newer transformers (5.17 and 5.24 "
-            "are tested): update it, or use the snapshot's pe/ and pe_tokenizer/"
-        ) from error
-
-    with tempfile.TemporaryDirectory() as folder:
-        tekken_file = Path(folder) / "tekken.json"
-        tekken_file.write_bytes(tekken.numpy().tobytes())
-        return convert_tekken_tokenizer(str(tekken_file), BAIDU_CHAT_TEMPLATE.read_text(encoding="utf-8"))

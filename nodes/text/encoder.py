@@ -2,7 +2,8 @@
 
 As in ``ErnieImagePipeline.encode_prompt``: the tokenizer adds its special tokens, no chat template, no
 padding; an empty prompt becomes the BOS token; the embedding is ``hidden_states[-2]`` of shape ``[T, D]``.
-The vision tower of the checkpoint is never used, so it is dropped after loading.
+The vision tower of the checkpoint is never used, so it is dropped after loading. ComfyUI's repack of the text
+encoder (one ``.safetensors`` with the tokenizer inside) is read by ``ministral_file``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,21 @@ class ErnieTextEncoder:
         except (OSError, ValueError) as e:
             raise ErnieImageError(f"Cannot load the text encoder in {snapshot} ({e}). Download it again.") from e
         return cls(model.language_model, tokenizer)
+
+    @classmethod
+    def from_single_file(cls, path: Path, dtype: torch.dtype) -> ErnieTextEncoder:
+        """Load ComfyUI's repack ``ministral-3-3b.safetensors`` (the language model with its tokenizer inside)."""
+        from ..ministral_file import read_ministral_file
+
+        model, tokenizer = read_ministral_file(
+            path, dtype, what="text encoder",
+            instead="use an ERNIE-Image snapshot folder (its text_encoder/ and tokenizer/) instead",
+        )
+        # The snapshot's tokenizer puts a BOS before every prompt (diffusers encodes with add_special_tokens=True);
+        # a tokenizer converted from tekken.json does not unless told to.
+        tokenizer.add_bos_token = True
+        tokenizer.update_post_processor()
+        return cls(model.model, tokenizer)
 
     @property
     def embedding_dim(self) -> int:

@@ -23,6 +23,11 @@ class ManagedTextEncoder:
         dtype = text_model_dtype(comfy.model_management.text_encoder_device())
         return cls(ErnieTextEncoder.from_snapshot(snapshot, dtype))
 
+    @classmethod
+    def from_single_file(cls, path: Path) -> ManagedTextEncoder:
+        dtype = text_model_dtype(comfy.model_management.text_encoder_device())
+        return cls(ErnieTextEncoder.from_single_file(path, dtype))
+
     def encode(self, text: str) -> torch.Tensor:
         """``[1, T, D]`` embeddings of ``text``, computed where ComfyUI places the text encoder."""
         comfy.model_management.load_model_gpu(self.patcher)

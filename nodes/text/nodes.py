@@ -4,10 +4,29 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from ..paths import check_choice, snapshot_names, snapshot_path
+from ..paths import (
+    TEXT_ENCODERS_PREFIX,
+    check_choice,
+    is_prompt_enhancer_file,
+    model_file_path,
+    safetensors_names,
+    snapshot_names,
+    snapshot_path,
+)
 from .managed import ManagedTextEncoder
 
 ErnieTextEncoderType = io.Custom("ERNIE_TEXT_ENCODER")
+
+
+def _is_single_file(name: str) -> bool:
+    """Not the weights of a Hugging Face model folder (a config.json beside them) under models/text_encoders."""
+    return not (model_file_path("text_encoders", name).parent / "config.json").is_file()
+
+
+def _text_encoder_choices() -> list[str]:
+    """Snapshot folders, then the single-file text encoders of models/text_encoders (PEs are listed elsewhere)."""
+    files = [n for n in safetensors_names("text_encoders") if not is_prompt_enhancer_file(n) and _is_single_file(n)]
+    return snapshot_names() + [TEXT_ENCODERS_PREFIX + n for n in files]
 
 
 class ErnieImageTextEncoderLoader(io.ComfyNode):
@@ -17,21 +36,24 @@ class ErnieImageTextEncoderLoader(io.ComfyNode):
             node_id="ErnieImageTextEncoderLoader",
             display_name="ERNIE-Image Text Encoder Loader",
             category="ERNIE-Image/loaders",
-            description="Loads the Mistral3 text encoder and tokenizer of an ERNIE-Image snapshot.",
+            description="Loads ERNIE-Image's Mistral3 text encoder and tokenizer: from a snapshot folder, or from "
+            "ComfyUI's repack ministral-3-3b.safetensors (tokenizer inside) in models/text_encoders.",
             inputs=[
-                io.Combo.Input(
-                    "model_name", options=snapshot_names(), tooltip="A snapshot folder under models/diffusers."
-                ),
+                io.Combo.Input("model_name", options=_text_encoder_choices(),
+                               tooltip="A snapshot folder under models/diffusers, or text_encoders/<file>."),
             ],
             outputs=[ErnieTextEncoderType.Output(display_name="TEXT_ENCODER")],
         )
 
     @classmethod
     def validate_inputs(cls, model_name: str) -> bool | str:
-        return check_choice(model_name, snapshot_names(), "diffusers")
+        return check_choice(model_name, _text_encoder_choices(), "diffusers or models/text_encoders")
 
     @classmethod
     def execute(cls, model_name: str) -> io.NodeOutput:
+        if model_name.startswith(TEXT_ENCODERS_PREFIX):
+            path = model_file_path("text_encoders", model_name[len(TEXT_ENCODERS_PREFIX):])
+            return io.NodeOutput(ManagedTextEncoder.from_single_file(path))
         return io.NodeOutput(ManagedTextEncoder.from_snapshot(snapshot_path(model_name)))
 
 

@@ -1,0 +1,53 @@
+"""The text encoder in both layouts users have: a snapshot's text_encoder/ + tokenizer/, and ComfyUI's repack
+(one ``.safetensors`` with the tokenizer inside) — the same embeddings for any prompt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from comfyui_ernie_image.nodes.errors import ErnieImageError
+from comfyui_ernie_image.nodes.text.encoder import ErnieTextEncoder
+
+PROMPTS = ["a red cat sits on a blue mat", "", "一只 红色 的 猫", 'quotes "and" \\ backslashes\nnewline']
+
+
+@pytest.fixture(scope="module")
+def encoders(tiny_models):
+    return (ErnieTextEncoder.from_snapshot(tiny_models["snapshot"], torch.float32),
+            ErnieTextEncoder.from_single_file(tiny_models["text_encoder_file"], torch.float32))
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_single_file_encodes_like_the_snapshot(encoders, prompt):
+    snapshot, single = encoders
+    assert single.token_ids(prompt) == snapshot.token_ids(prompt)
+    expected, actual = snapshot.encode(prompt, torch.device("cpu")), single.encode(prompt, torch.device("cpu"))
+    assert actual.shape == expected.shape and expected.abs().max() > 0
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_snapshot_encoder_matches_the_pipeline(tiny_models, encoders):
+    from diffusers import ErnieImagePipeline
+
+    pipe = ErnieImagePipeline.from_pretrained(tiny_models["snapshot"], dtype=torch.float32)
+    (expected,) = pipe.encode_prompt(PROMPTS[0], torch.device("cpu"))
+    torch.testing.assert_close(encoders[0].encode(PROMPTS[0], torch.device("cpu")), expected)
+
+
+def test_single_file_without_tokenizer_says_what_to_load(tiny_models, tmp_path):
+    broken = tmp_path / "ministral-no-tokenizer.safetensors"
+    state = load_file(tiny_models["text_encoder_file"])
+    save_file({k: v for k, v in state.items() if k != "tekken_model"}, str(broken))
+    with pytest.raises(ErnieImageError, match=r"ministral-no-tokenizer\.safetensors carries no tokenizer .*snapshot"):
+        ErnieTextEncoder.from_single_file(broken, torch.float32)
+
+
+def test_loader_lists_text_encoder_files_but_not_prompt_enhancers(comfy_paths):
+    from comfyui_ernie_image.nodes.text.nodes import ErnieImageTextEncoderLoader
+
+    options = ErnieImageTextEncoderLoader.define_schema().inputs[0].options
+    assert "ERNIE-Image-Turbo-tiny" in options
+    assert "text_encoders/ministral-3-3b-tiny.safetensors" in options
+    assert not [o for o in options if "enhancer" in o]
