@@ -18,7 +18,7 @@ from conftest import COMFY_DIR, REPO
 NODE_IDS = {
     "ErnieImageLoader", "ErnieImageDiTLoader", "ErnieImageTextEncoderLoader", "ErnieImageTextEncode",
     "ErnieImageScheduler", "ErnieImagePELoader", "ErnieImagePERemote", "ErnieImagePromptEnhance",
-    "ErnieImageCacheDiT", "ErnieImageCompile",
+    "ErnieImageCacheDiT", "ErnieImageCompile", "ErnieImageVAELoader",
 }
 
 
