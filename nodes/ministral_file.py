@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .errors import ErnieImageError
+from .safetensors_files import read_safetensors
 
 HEAD_DIM = 128  # every Ministral 3 model has 128-wide attention heads
 _PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "model.lm_head.": "lm_head."}
@@ -34,10 +35,9 @@ def read_ministral_file(
     ``what`` names the model in errors ("text encoder", "prompt enhancer"), ``instead`` says what to load when the
     file cannot be used, ``chat_template`` is given to the tokenizer, ``error`` is the exception type raised.
     """
-    from safetensors.torch import load_file
     from transformers import Ministral3ForCausalLM
 
-    state = load_file(path)
+    state = read_safetensors(path)
     tekken = state.pop("tekken_model", None)
     if tekken is None:
         raise error(f"{path.name} carries no tokenizer (no 'tekken_model' entry, as in ComfyUI's repack): {instead}")

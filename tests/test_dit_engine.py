@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from comfyui_ernie_image.nodes.dit.schedule import reference_sigmas
-from comfyui_ernie_image.nodes.dit.weights import config_from_state_dict, load_transformer, read_safetensors
+from comfyui_ernie_image.nodes.dit.weights import config_from_state_dict, load_transformer
 from comfyui_ernie_image.nodes.errors import ErnieImageError
+from comfyui_ernie_image.nodes.safetensors_files import read_safetensors
 
 
 def test_single_file_config_is_the_snapshot_config(tiny_models):

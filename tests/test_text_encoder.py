@@ -51,3 +51,22 @@ def test_loader_lists_text_encoder_files_but_not_prompt_enhancers(comfy_paths):
     assert "ERNIE-Image-Turbo-tiny" in options
     assert "text_encoders/ministral-3-3b-tiny.safetensors" in options
     assert not [o for o in options if "enhancer" in o]
+
+
+def test_truncated_single_file_is_named(tiny_models, tmp_path):
+    source = tiny_models["text_encoder_file"]
+    broken = tmp_path / "ministral-truncated.safetensors"
+    broken.write_bytes(source.read_bytes()[: source.stat().st_size // 2])
+    with pytest.raises(ErnieImageError, match=r"ministral-truncated\.safetensors .*damaged or incomplete"):
+        ErnieTextEncoder.from_single_file(broken, torch.float32)
+
+
+def test_truncated_snapshot_shard_is_named(tiny_models, tmp_path):
+    import shutil
+
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(tiny_models["snapshot"], snapshot)
+    shard = snapshot / "text_encoder" / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(ErnieImageError, match=r"text_encoder/model\.safetensors .*damaged or incomplete"):
+        ErnieTextEncoder.from_snapshot(snapshot, torch.float32)

@@ -7,7 +7,7 @@ from pathlib import Path
 import comfy.sd
 
 from ..errors import ErnieImageError
-from .weights import read_safetensors
+from ..safetensors_files import read_safetensors
 
 # The VAE's batch-norm epsilon as trained and as diffusers applies it; ComfyUI's Flux.2 VAE assumes 1e-4,
 # which shifts every decoded latent channel whose running variance is small.

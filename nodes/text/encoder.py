@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ErnieImageError
+from ..safetensors_files import check_safetensors_files
 
 TEXT_ENCODER_CLASSES = ("Mistral3Model", "Mistral3ForConditionalGeneration")
 
@@ -45,6 +46,7 @@ class ErnieTextEncoder:
             raise ErnieImageError(
                 f"{encoder_dir} holds {architectures or 'no model config'}, not ERNIE-Image's Mistral3 text encoder."
             )
+        check_safetensors_files(encoder_dir)  # a truncated shard is named here, not deep inside from_pretrained
         try:
             model = Mistral3Model.from_pretrained(encoder_dir, dtype=dtype, use_safetensors=True)
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
