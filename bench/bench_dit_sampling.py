@@ -40,14 +40,17 @@ def diffusers_loop(transformer, latents, text, negative, sigmas, cfg):
     return latents
 
 
-def comfy_sampling(patcher, noise, text, negative, sigmas, cfg):
+def comfy_sampling(patcher, noise, text, negative, sigmas, cfg, cond_device="cpu"):
+    """ComfyUI's sampler (Euler) on the pack's MODEL; conditioning on ``cond_device`` (the text encode node's
+    output lives on ComfyUI's intermediate device, the CPU)."""
     import comfy.sample
     import comfy.samplers
 
-    positive, negative_cond = [[text[None].cpu(), {}]], [[negative[None].cpu(), {}]]
+    positive, negative_cond = [[text[None].to(cond_device), {}]], [[negative[None].to(cond_device), {}]]
     latent = torch.zeros_like(noise)
-    return comfy.sample.sample_custom(patcher, noise, cfg, comfy.samplers.ksampler("euler"), sigmas,
-                                      positive, negative_cond, latent, seed=0)
+    with torch.inference_mode():  # as ComfyUI's executor runs every node
+        return comfy.sample.sample_custom(patcher, noise, cfg, comfy.samplers.ksampler("euler"), sigmas,
+                                          positive, negative_cond, latent, seed=0)
 
 
 def main() -> None:

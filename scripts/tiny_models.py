@@ -92,7 +92,7 @@ def _ministral3_config(vocab_size: int, hidden_size: int):
     )
 
 
-def _randomise_zero_init(transformer: torch.nn.Module, generator: torch.Generator) -> None:
+def randomise_zero_init(transformer: torch.nn.Module, generator: torch.Generator) -> None:
     """diffusers zero-initialises the output and modulation layers; a zero DiT predicts zeros and caches
     look perfect, so give them random weights like every other layer."""
     with torch.no_grad():
@@ -199,7 +199,7 @@ def make_pipeline(seed: int = 0, with_pe: bool = True):
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     transformer = ErnieImageTransformer2DModel(**TINY_DIT)
-    _randomise_zero_init(transformer, generator)
+    randomise_zero_init(transformer, generator)
 
     # The VAE keeps its real architecture (84M): ComfyUI's core VAE recognises the Flux.2 VAE only at that shape.
     vae = AutoencoderKLFlux2()

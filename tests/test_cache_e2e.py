@@ -74,7 +74,7 @@ def test_the_nodes_document_their_presets(comfy_server):
     assert "ultra: F2B0 R0.3 W8 TaylorSeer1 mask ultra/dynamic. Caches at most 36/50 Base steps" in tooltip
     assert "and 4/8 Turbo steps" in tooltip
     modes = info["ErnieImageCompile"]["input"]["required"]["mode"][1]["options"]
-    assert modes == ["default", "max-autotune-no-cudagraphs"]
+    assert modes == ["default", "max-autotune-no-cudagraphs", "off"]
 
 
 def test_threshold_zero_gives_the_plain_image(comfy_server):

@@ -12,8 +12,15 @@ import torch._inductor.config
 from torch._dynamo.utils import counters
 
 from comfyui_ernie_image.nodes.accel.cache_presets import CacheSettings
-from comfyui_ernie_image.nodes.accel.compile import compile_problem
-from comfyui_ernie_image.nodes.accel.patching import CacheJob, apply_cache, apply_compile
+from comfyui_ernie_image.nodes.accel.compile import compile_problem, compiles_by_default
+from comfyui_ernie_image.nodes.accel.patching import (
+    COMPILE_KEY,
+    SAMPLER_SAMPLE,
+    CacheJob,
+    apply_cache,
+    apply_compile,
+    compile_by_default,
+)
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from helpers.accel import module_state, sample, text, tiny_patcher
 
@@ -72,3 +79,34 @@ def test_missing_triton_is_named(monkeypatch):
     assert "torch.compile needs Triton on CUDA GPUs and it is not installed (on Windows: pip install " \
            "triton-windows)" in problem
     assert compile_problem(torch.device("cpu")) is None
+
+
+def test_default_compile_rule(monkeypatch):
+    import torch.utils._triton
+
+    cuda = torch.device("cuda", 0)
+    assert not compiles_by_default(torch.device("cpu"))  # the CPU stays eager, compiler or not
+    monkeypatch.setattr(torch.utils._triton, "has_triton_package", lambda: True)
+    assert compiles_by_default(cuda, capability=(8, 0)) and compiles_by_default(cuda, capability=(9, 0))
+    assert compiles_by_default(cuda, capability=(12, 0))
+    assert not compiles_by_default(cuda, capability=(7, 5))  # Turing: no bf16 tensor cores
+    monkeypatch.setattr(torch.utils._triton, "has_triton_package", lambda: False)
+    assert not compiles_by_default(cuda, capability=(9, 0))  # no Triton: eager, no error
+
+
+def test_the_loaders_model_is_eager_on_the_cpu(plain):
+    assert compile_by_default(plain.clone()).model_options.get("transformer_options", {}).get(COMPILE_KEY) is None
+
+
+def test_off_mode_undoes_compilation(plain, monkeypatch):
+    compiled = apply_compile(plain, "default")
+    off = apply_compile(compiled, "off")
+    assert off.model_options["transformer_options"].get(COMPILE_KEY) is None
+    assert not off.get_wrappers(SAMPLER_SAMPLE, COMPILE_KEY)
+    assert compiled.model_options["transformer_options"][COMPILE_KEY] == "default", "the input was changed"
+    # off needs no compiler at all
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("ernie-test-no-such-compiler",))
+    unique = graphs()
+    prompt = dict(prompt=text(5, 3), size=(8, 8))
+    assert torch.equal(sample(off, **prompt, **TURBO), sample(plain, **prompt, **TURBO))
+    assert graphs() == unique

@@ -70,8 +70,8 @@ def _ranges(steps: list[int]) -> str:
     return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
 
 
-def _instance_attrs(objects: list) -> list[set[str]]:
-    return [set(vars(o)) for o in objects]
+def _instance_attrs(objects: list) -> list[dict[str, object]]:
+    return [dict(vars(o)) for o in objects]
 
 
 class CacheRun:
@@ -149,11 +149,12 @@ class CacheRun:
         finally:
             for context in self._contexts.values():
                 context.clear_buffers()
-            # cache-dit's release leaves the holder's `forward` as an instance attribute (the bound original):
-            # drop whatever was not there before, so the module is exactly as it was.
+            # cache-dit's release leaves the holder's `forward` as an instance attribute (a re-bound original):
+            # drop whatever was not there before and put back what was, so the module is exactly as it was.
             for obj, before in zip(self._touched, self._attrs_before, strict=True):
-                for name in set(vars(obj)) - before:
+                for name in set(vars(obj)) - set(before):
                     delattr(obj, name)
+                vars(obj).update(before)
 
     def summary(self) -> str:
         """Steps computed and cached per kind of call, with the residual diffs that decided."""

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 
 MODES = ("default", "max-autotune-no-cudagraphs")
+DEFAULT_MIN_CAPABILITY = (8, 0)  # Ampere and later: bf16 tensor cores, where Triton's kernels are at home
 
 
 def compile_problem(device: torch.device) -> str | None:
@@ -36,6 +37,16 @@ def compile_problem(device: torch.device) -> str | None:
             return (f"torch.compile needs Triton on {device.type.upper()} GPUs and it is not installed "
                     "(on Windows: pip install triton-windows). Install it, or bypass ErnieImageCompile.")
     return None
+
+
+def compiles_by_default(device: torch.device, capability: tuple[int, int] | None = None) -> bool:
+    """Whether the pack's MODEL compiles its blocks without being asked: on CUDA GPUs of compute capability 8.0
+    or later where compile can run (``capability`` is read from the device when not given)."""
+    if device.type != "cuda" or compile_problem(device) is not None:
+        return False
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    return tuple(capability) >= DEFAULT_MIN_CAPABILITY
 
 
 def _tensors(values) -> Iterator[torch.Tensor]:

@@ -6,7 +6,7 @@ from comfy_api.v0_0_2 import io
 
 from .cache_presets import MASK_CACHE_POLICIES, PRESET_NAMES, PRESETS, STEPS_MASKS, CacheSettings, resolve
 from .compile import MODES
-from .patching import CacheJob, apply_cache, apply_compile
+from .patching import OFF, CacheJob, apply_cache, apply_compile
 
 _DEFAULTS = CacheSettings()  # cache-dit's defaults, the starting point of `custom`
 _CUSTOM_ONLY = " (preset 'custom' only)"
@@ -82,12 +82,15 @@ class ErnieImageCompile(io.ComfyNode):
             category="ERNIE-Image/acceleration",
             description="torch.compile of the DiT's repeated blocks (regional: one block compiled, reused by all), "
             "for each sampling run and removed after it. The first run also compiles (once for a single pass, once for "
-            "batched CFG); new prompts and sizes do not recompile. Works before or after the Cache-DiT node.",
+            "batched CFG); new prompts and sizes do not recompile. Works before or after the Cache-DiT node. The "
+            "ERNIE-Image loaders already compile by default on NVIDIA GPUs since Ampere (RTX 30 and later) with "
+            "Triton: use this node to pick another mode or to turn that off.",
             inputs=[
                 io.Model.Input("model"),
-                io.Combo.Input("mode", options=list(MODES), default="default",
+                io.Combo.Input("mode", options=[*MODES, OFF], default="default",
                                tooltip="default: quick to compile. max-autotune-no-cudagraphs: tries more kernels; "
-                               "much longer first compile."),
+                               "much longer first compile. off: no compilation (eager), also where the loader "
+                               "would compile by default."),
             ],
             outputs=[io.Model.Output()],
         )

@@ -27,11 +27,12 @@ import torch
 from ..errors import ErnieImageError
 from .cache import CacheRun, check_block_count, step_index
 from .cache_presets import CacheSettings
-from .compile import RegionalCompile, compile_problem
+from .compile import RegionalCompile, compile_problem, compiles_by_default
 
 log = logging.getLogger(__name__)
 CACHE_KEY, COMPILE_KEY = "ernie_image_cache_dit", "ernie_image_compile"
 RUN_KEY = "ernie_image_cache_dit_run"
+OFF = "off"  # the compile node's mode that turns compilation off
 SAMPLER_SAMPLE = comfy.patcher_extension.WrappersMP.SAMPLER_SAMPLE
 APPLY_MODEL = comfy.patcher_extension.WrappersMP.APPLY_MODEL
 
@@ -111,6 +112,8 @@ def _compile_sampler_sample(executor, *args, **kwargs):
     holder, blocks_name = dit_blocks(guider.model_patcher)
     mode = extra_args["model_options"]["transformer_options"][COMPILE_KEY]
     regional = RegionalCompile(getattr(holder, blocks_name), mode)
+    if not _compile_announced:
+        _announce_compile()
     try:
         regional.install()
         return executor(*args, **kwargs)
@@ -118,15 +121,41 @@ def _compile_sampler_sample(executor, *args, **kwargs):
         regional.remove()
 
 
+_compile_announced = False
+
+
+def _announce_compile() -> None:
+    global _compile_announced
+    _compile_announced = True
+    log.info("ERNIE-Image: compiling the DiT's blocks on this first run (once per process and batch size); "
+             "an ERNIE-Image Compile node with mode 'off' turns compilation off")
+
+
+def _set_compile(model: comfy.model_patcher.ModelPatcher, mode: str) -> None:
+    model.remove_wrappers_with_key(SAMPLER_SAMPLE, COMPILE_KEY)
+    options = model.model_options.setdefault("transformer_options", {})
+    if mode == OFF:
+        options.pop(COMPILE_KEY, None)
+    else:
+        options[COMPILE_KEY] = mode
+        model.add_wrapper_with_key(SAMPLER_SAMPLE, COMPILE_KEY, _compile_sampler_sample)
+
+
 def apply_compile(model: comfy.model_patcher.ModelPatcher, mode: str) -> comfy.model_patcher.ModelPatcher:
-    """A clone of ``model`` whose blocks are compiled for each sampling run; a clear error where compile cannot
-    run on the model's device."""
+    """A clone of ``model`` whose blocks are compiled for each sampling run in ``mode`` (``off``: not compiled,
+    also where the loader compiles by default); a clear error where compile cannot run on the model's device."""
     dit_blocks(model)
-    problem = compile_problem(torch.device(model.load_device))
+    problem = None if mode == OFF else compile_problem(torch.device(model.load_device))
     if problem is not None:
         raise ErnieImageError(problem)
     model = model.clone()
-    model.model_options.setdefault("transformer_options", {})[COMPILE_KEY] = mode
-    model.remove_wrappers_with_key(SAMPLER_SAMPLE, COMPILE_KEY)
-    model.add_wrapper_with_key(SAMPLER_SAMPLE, COMPILE_KEY, _compile_sampler_sample)
+    _set_compile(model, mode)
+    return model
+
+
+def compile_by_default(model: comfy.model_patcher.ModelPatcher) -> comfy.model_patcher.ModelPatcher:
+    """The pack's default fast path: a freshly loaded ``model`` (changed in place) compiles its blocks for each run
+    where ``compiles_by_default`` says it is safe; elsewhere it stays eager."""
+    if compiles_by_default(torch.device(model.load_device)):
+        _set_compile(model, "default")
     return model

@@ -5,12 +5,15 @@ sampling with shift 4.0), a ``BaseModel`` subclass whose ``diffusion_model`` is 
 a thin forward that speaks ComfyUI's calling convention, and a ``ModelPatcher`` for model management.
 
 Text conditioning keeps each prompt's true length: ``ErnieTextCond`` pads with zeros when ComfyUI batches
-cond and uncond, and ``text_lens`` carries the true lengths, which is what diffusers' forward expects
-(masked padding, image RoPE positions start after the true text). Core's ``CONDCrossAttn`` would instead
-repeat the text, which the model would read as a different, longer prompt.
+cond and uncond, and ``text_lens`` carries the true lengths as host integers (``ErnieTextLengths``), which is
+what the forward needs (masked padding, image RoPE positions start after the true text). Core's
+``CONDCrossAttn`` would instead repeat the text, which the model would read as a different, longer prompt.
+The forward itself is the pack's (``forward.py``): diffusers' math without an all-true attention mask.
 """
 
 from __future__ import annotations
+
+import types
 
 import comfy.conds
 import comfy.latent_formats
@@ -22,6 +25,7 @@ import comfy.supported_models_base
 import torch
 
 from ..errors import ErnieImageError
+from .forward import ernie_forward
 from .patcher import ErnieModelPatcher
 from .schedule import DEFAULT_SHIFT
 
@@ -50,11 +54,35 @@ class ErnieTextCond(comfy.conds.CONDRegular):
         return torch.cat([torch.nn.functional.pad(c, (0, 0, 0, longest - c.shape[1])) for c in conds])
 
 
+class ErnieTextLengths(comfy.conds.CONDConstant):
+    """Each prompt's true text length as a list of host integers, batched by concatenation. On the host, so the
+    forward can tell without a GPU round trip whether the batch has padding to mask."""
+
+    def __init__(self, lengths: list[int]):
+        super().__init__(lengths)
+
+    def process_cond(self, batch_size: int, **kwargs) -> ErnieTextLengths:
+        repeats = -(-batch_size // len(self.cond))  # as comfy.utils.repeat_to_batch_size does for tensors
+        return ErnieTextLengths((self.cond * repeats)[:batch_size])
+
+    def can_concat(self, other: comfy.conds.CONDConstant) -> bool:
+        return True
+
+    def concat(self, others: list[comfy.conds.CONDConstant]) -> list[int]:
+        return [n for c in [self, *others] for n in c.cond]
+
+    def size(self) -> list[int]:
+        return [len(self.cond)]
+
+
 class ErnieImageDiffusionModel(torch.nn.Module):
     """The diffusers DiT behind ComfyUI's ``diffusion_model(x, t, context=..., **conds)`` convention."""
 
     def __init__(self, transformer: torch.nn.Module):
         super().__init__()
+        # The pack's forward becomes the module's own: cache-dit wraps ``transformer.forward`` for a cached run,
+        # so the forward must be reached through that attribute.
+        transformer.forward = types.MethodType(ernie_forward, transformer)
         self.transformer = transformer
 
     @property
@@ -80,13 +108,7 @@ class ErnieImageDiffusionModel(torch.nn.Module):
                 "Start from EmptyFlux2LatentImage, or encode images with the ERNIE-Image (Flux.2) VAE."
             )
         # The reference pipeline hands the timestep to the DiT in the model's dtype.
-        return self.transformer(
-            hidden_states=x,
-            timestep=timestep.to(x.dtype),
-            text_bth=context,
-            text_lens=text_lens,
-            return_dict=False,
-        )[0]
+        return self.transformer(x, timestep.to(x.dtype), context, text_lens)
 
 
 class ErnieImageModel(comfy.model_base.BaseModel):
@@ -105,8 +127,8 @@ class ErnieImageModel(comfy.model_base.BaseModel):
                 f"This conditioning has {cross_attn.shape[-1]}-wide embeddings; ERNIE-Image needs "
                 f"{self.diffusion_model.transformer.config.text_in_dim}. Encode the prompt with ErnieImageTextEncode."
             )
-        lengths = torch.full((cross_attn.shape[0],), cross_attn.shape[1], dtype=torch.long)
-        return {"c_crossattn": ErnieTextCond(cross_attn), "text_lens": comfy.conds.CONDRegular(lengths)}
+        lengths = [cross_attn.shape[1]] * cross_attn.shape[0]
+        return {"c_crossattn": ErnieTextCond(cross_attn), "text_lens": ErnieTextLengths(lengths)}
 
 
 def make_model_patcher(transformer: torch.nn.Module, shift: float = DEFAULT_SHIFT) -> comfy.model_patcher.ModelPatcher:

@@ -10,6 +10,7 @@ import torch
 from comfy_api.v0_0_2 import io
 
 from ..accel.capability import METHODS
+from ..accel.patching import compile_by_default
 from ..accel.quantize import load_quantized_dit
 from ..paths import (
     SNAPSHOT_PREFIX,
@@ -50,7 +51,10 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float):
         device=comfy.model_management.get_torch_device(),
         cache_root=Path(folder_paths.models_dir) / "ernie_quantized",  # where SVDQuant DiTs are saved
     )
-    return make_model_patcher(transformer, shift)
+    patcher = make_model_patcher(transformer, shift)
+    if quantization.startswith("svdq"):
+        return patcher  # cache-dit's W4A4 kernels under torch.compile are unverified (no GPU here runs them)
+    return compile_by_default(patcher)
 
 
 def _weight_inputs() -> list:

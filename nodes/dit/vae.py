@@ -1,10 +1,15 @@
-"""The ERNIE-Image VAE as a core ComfyUI VAE that decodes exactly like the diffusers pipeline (adapter)."""
+"""The ERNIE-Image VAE as a core ComfyUI VAE that decodes exactly like the diffusers pipeline (adapter).
+
+The decoder stays eager: compiled, it decoded 1024² in 39-42 ms instead of 91-94 on the H200, but its first decode
+took from 18 s to 154 s (bench/RESULTS.md, "Fast path on Hopper"), too long and too unpredictable for a default.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import comfy.sd
+import torch
 
 from ..errors import ErnieImageError
 from ..safetensors_files import read_safetensors
@@ -14,16 +19,20 @@ from ..safetensors_files import read_safetensors
 TRAINED_BN_EPS = 1e-5
 
 
-def load_vae(path: Path) -> comfy.sd.VAE:
+def make_vae(state_dict: dict[str, torch.Tensor], source: str) -> comfy.sd.VAE:
     """A core ``VAE`` from the Flux.2 VAE weights (diffusers or ComfyUI keys), with the trained BN epsilon."""
-    vae = comfy.sd.VAE(sd=read_safetensors(path))
+    vae = comfy.sd.VAE(sd=state_dict)
     if getattr(vae.first_stage_model, "bn", None) is None:
         raise ErnieImageError(
-            f"{path} is not the Flux.2 VAE that ERNIE-Image uses (no batch-norm latent statistics). "
+            f"{source} is not the Flux.2 VAE that ERNIE-Image uses (no batch-norm latent statistics). "
             "Use the vae/ of an ERNIE-Image snapshot or flux2-vae.safetensors."
         )
     vae.first_stage_model.bn_eps = TRAINED_BN_EPS
     return vae
+
+
+def load_vae(path: Path) -> comfy.sd.VAE:
+    return make_vae(read_safetensors(path), str(path))
 
 
 def load_snapshot_vae(snapshot: Path) -> comfy.sd.VAE:

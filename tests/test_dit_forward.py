@@ -1,0 +1,81 @@
+"""The pack's DiT forward against diffusers' own, and the attention-kernel choice (engine, no server)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import ErnieImageTransformer2DModel
+
+from comfyui_ernie_image.nodes.dit import forward as forward_module
+from comfyui_ernie_image.nodes.dit.attention import ATTENTION_ENV, attention_choice, backend_order
+from comfyui_ernie_image.nodes.dit.forward import ernie_forward
+from comfyui_ernie_image.nodes.errors import ErnieImageError
+from tiny_models import TINY_DIT, randomise_zero_init
+
+
+@pytest.fixture(scope="module")
+def dit() -> ErnieImageTransformer2DModel:
+    torch.manual_seed(0)
+    model = ErnieImageTransformer2DModel(**TINY_DIT).eval()
+    randomise_zero_init(model, torch.Generator().manual_seed(0))
+    return model
+
+
+def _inputs(lengths: list[int], height: int = 6, width: int = 4):
+    torch.manual_seed(1)
+    batch, longest = len(lengths), max(lengths)
+    text = torch.zeros(batch, longest, TINY_DIT["text_in_dim"])
+    for row, n in enumerate(lengths):
+        text[row, :n] = torch.randn(n, TINY_DIT["text_in_dim"])
+    latents = torch.randn(batch, TINY_DIT["in_channels"], height, width)
+    timestep = torch.tensor([700.0, 300.0, 50.0][:batch])
+    return latents, timestep, text
+
+
+@pytest.mark.parametrize("lengths", [[7], [5, 5], [9, 4], [3, 8, 8]], ids=str)
+def test_forward_equals_diffusers(dit, lengths):
+    latents, timestep, text = _inputs(lengths)
+    with torch.no_grad():
+        reference = ErnieImageTransformer2DModel.forward(
+            dit, hidden_states=latents, timestep=timestep, text_bth=text, text_lens=torch.tensor(lengths),
+            return_dict=False)[0]
+        ours = ernie_forward(dit, latents, timestep, text, lengths)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_mask_only_when_some_text_is_padded(dit, monkeypatch):
+    seen = []
+    real = forward_module._key_mask
+    monkeypatch.setattr(forward_module, "_key_mask", lambda *a: seen.append(a) or real(*a))
+    with torch.no_grad():
+        for lengths in ([6, 6], [6, 2]):
+            ernie_forward(dit, *_inputs(lengths), lengths)
+    assert len(seen) == 1 and seen[0][0] == [6, 2]
+
+
+def test_padding_does_not_change_a_prompt(dit):
+    """A row's prediction is the same alone or batched with a longer prompt (zero padding, masked)."""
+    latents, timestep, text = _inputs([9, 4])
+    with torch.no_grad():
+        batched = ernie_forward(dit, latents, timestep, text, [9, 4])
+        alone = ernie_forward(dit, latents[1:], timestep[1:], text[1:, :4], [4])
+    torch.testing.assert_close(batched[1:], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_choice_is_read_and_checked(monkeypatch):
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
+    assert attention_choice() == "auto"
+    monkeypatch.setenv(ATTENTION_ENV, " Flash ")
+    assert attention_choice() == "flash"
+    monkeypatch.setenv(ATTENTION_ENV, "xformers")
+    with pytest.raises(ErnieImageError, match=f"{ATTENTION_ENV}='xformers'.*auto, cudnn, flash"):
+        attention_choice()
+
+
+def test_backend_order_per_device():
+    cuda = torch.device("cuda", 0)
+    assert backend_order(torch.device("cpu"), "cudnn") is None
+    assert backend_order(cuda, "auto", capability=(9, 0)) == ["cudnn", "flash", "efficient", "math"]
+    assert backend_order(cuda, "auto", capability=(8, 9)) is None  # Ada and others: PyTorch's order
+    assert backend_order(cuda, "auto", capability=(12, 0)) is None
+    assert backend_order(cuda, "efficient", capability=(8, 6)) == ["efficient", "flash", "cudnn", "math"]
