@@ -5,7 +5,7 @@ method this GPU can run, done the way the loader does it (``nodes.accel.quantize
 - quantize s: from CPU-resident bf16 weights (as read from disk), on the GPU when the bf16 DiT fits there (else on
   the CPU, as the loader chooses);
 - weights GiB: GPU memory of the DiT's weights, measured (ComfyUI's estimate: the pack's ModelPatcher size);
-- eager / compiled ms: one DiT forward (batch 1), eager, then after diffusers' ``compile_repeated_blocks``;
+- eager / compiled ms: one forward of the pack's DiT (batch 1), eager, then with the pack's regional compile;
 - rel. error: ||out - ref|| / ||ref|| of the DiT output at one step (sigma 0.5) vs bf16, same weights and inputs.
 Methods that cannot run here show the loader's error words. Then the peak GPU memory of a whole Turbo 1024x1024 run
 with fp8_per_row weights: 8 steps of ComfyUI's sampler through the pack's MODEL (weights loaded by ComfyUI), then the
@@ -51,7 +51,10 @@ def seeded_dit() -> torch.nn.Module:
 
 @torch.inference_mode()
 def forward(model, inputs: dict) -> torch.Tensor:
-    return model(**inputs, return_dict=False)[0]
+    """The pack's forward (what its MODEL runs)."""
+    from comfyui_ernie_image.nodes.dit.forward import ernie_forward
+
+    return ernie_forward(model, **inputs)
 
 
 def forward_ms(model, inputs: dict) -> float:
@@ -94,13 +97,17 @@ def measure_eager(variant: str, inputs: dict, reference: torch.Tensor | None) ->
 
 def measure_compiled(row: dict, inputs: dict) -> None:
     """Adds compile time and compiled forward time to ``row`` (same weights, quantized in place on the GPU)."""
+    from comfyui_ernie_image.nodes.accel.compile import RegionalCompile
+
     model = quantize(seeded_dit(), row["method"], DEVICE)
-    model.compile_repeated_blocks()
+    regional = RegionalCompile(model.layers)  # the pack's compile (the loader's default on CUDA)
+    regional.install()
     start = time.perf_counter()
     forward(model, inputs)
     torch.cuda.synchronize()
     row["compile_s"] = time.perf_counter() - start
     row["compiled_ms"] = forward_ms(model, inputs)
+    regional.remove()
     del model
     torch._dynamo.reset()
     free()
@@ -113,12 +120,14 @@ def measure_run(variant: str) -> dict:
     import comfy.sd
     from diffusers import AutoencoderKLFlux2
 
+    from comfyui_ernie_image.nodes.accel.patching import compile_by_default
     from comfyui_ernie_image.nodes.dit.model import make_model_patcher
     from comfyui_ernie_image.nodes.dit.schedule import reference_sigmas
+    from comfyui_ernie_image.nodes.dit.vae import make_vae
 
     model = seeded_dit().to("cpu")
     start = time.perf_counter()
-    patcher = make_model_patcher(quantize(model, variant, torch.device("cpu")))
+    patcher = compile_by_default(make_model_patcher(quantize(model, variant, torch.device("cpu"))))
     cpu_quantize_s = time.perf_counter() - start
     del model
     text = torch.randn(TEXT_TOKENS, TRUE_DIT["text_in_dim"], device=DEVICE, dtype=torch.bfloat16)
@@ -136,7 +145,7 @@ def measure_run(variant: str) -> dict:
     comfy.model_management.unload_all_models()
     del turbo, patcher
     free()
-    vae = comfy.sd.VAE(sd=AutoencoderKLFlux2().state_dict())
+    vae = make_vae(AutoencoderKLFlux2().state_dict(), "random weights")  # as the loader makes it
     torch.cuda.reset_peak_memory_stats()
     vae.decode(latent)
     vae_peak = torch.cuda.max_memory_allocated()
@@ -208,10 +217,10 @@ def main() -> None:
         import cache_dit.quantization.torchao  # noqa: F401  (imports torchao once, outside the timings)
     torch.manual_seed(1)
     inputs = dict(
-        hidden_states=torch.randn(1, TRUE_DIT["in_channels"], LATENT, LATENT, device=DEVICE, dtype=torch.bfloat16),
+        latents=torch.randn(1, TRUE_DIT["in_channels"], LATENT, LATENT, device=DEVICE, dtype=torch.bfloat16),
         timestep=torch.full((1,), 500.0, device=DEVICE, dtype=torch.bfloat16),  # sigma 0.5
-        text_bth=torch.randn(1, TEXT_TOKENS, TRUE_DIT["text_in_dim"], device=DEVICE, dtype=torch.bfloat16),
-        text_lens=torch.tensor([TEXT_TOKENS], device=DEVICE),
+        text=torch.randn(1, TEXT_TOKENS, TRUE_DIT["text_in_dim"], device=DEVICE, dtype=torch.bfloat16),
+        text_lens=[TEXT_TOKENS],
     )
     rows, runs, reference = [], [], None
     for variant in [v for v in VARIANTS if v not in refused]:

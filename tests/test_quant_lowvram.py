@@ -57,3 +57,26 @@ def test_quantized_weights_count_by_what_they_hold():
     patcher = make_model_patcher(transformer)
     assert patcher.model_size() == plain + weight.nelement() * weight.element_size()
     assert patcher.clone().model_size() == patcher.model_size()
+
+
+def test_quantized_size_is_read_in_inference_mode_without_detaching():
+    """ComfyUI runs nodes under inference mode, where torchao 0.17's weights refuse ``detach`` (seen on the H200:
+    "Cannot set version_counter for inference tensor" from ``state_dict()``). torchao does not run on the CPU, so a
+    fault-injecting TwoTensor stands in: it raises as torchao did when detached inside inference mode."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    class RefusesDetachInInferenceMode(TwoTensor):
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args, kwargs=None):
+            if func is torch.ops.aten.detach.default and torch.is_inference_mode_enabled():
+                raise RuntimeError("Cannot set version_counter for inference tensor")
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    transformer = ErnieImageTransformer2DModel(**TINY_DIT)
+    plain = make_model_patcher(transformer).model_size()
+    layer = transformer.layers[0].mlp.gate_proj
+    weight = layer.weight.detach()
+    layer.weight = torch.nn.Parameter(RefusesDetachInInferenceMode(weight, weight.clone()), requires_grad=False)
+    patcher = make_model_patcher(transformer)
+    with torch.inference_mode():
+        assert patcher.model_size() == plain + weight.nbytes

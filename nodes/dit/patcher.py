@@ -27,8 +27,11 @@ class ErnieModelPatcher(comfy.model_patcher.ModelPatcher):
     """A ModelPatcher that never loads or unloads the DiT in part, and knows the true size of quantized weights."""
 
     def model_size(self) -> int:
+        # From the parameters and buffers themselves: ``state_dict()`` detaches each one, which torchao's weights
+        # refuse inside inference mode (where ComfyUI runs every node; seen with torchao 0.17 on the H200).
         if self.size == 0:
-            self.size = sum(tensor_bytes(t) for t in self.model.state_dict().values())
+            tensors = [*self.model.parameters(), *self.model.buffers()]
+            self.size = sum(tensor_bytes(t) for t in tensors)
         return self.size
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
