@@ -6,21 +6,26 @@ shape (batch x new tokens, ``min_new_tokens`` / ``ignore_eos`` force the length)
 
 - ``generate``: transformers' plain ``generate`` (sampling, temperature 0.6, top-p 0.8);
 - ``static``: the same with ``cache_implementation="static"`` (transformers compiles the decode step itself);
-- ``pack``: the pack's fast path, ``StaticDecoder(compiled=True)``: static KV cache, one compiled decode step with
-  CUDA graphs, top-p sampling on the GPU.
+- ``pack-sdpa``: the pack's fast path, ``StaticDecoder(compiled=True, attention="sdpa")``: static KV cache, one
+  compiled decode step with CUDA graphs, top-p sampling on the GPU; attention is transformers' ``sdpa``, which under
+  compilation repeats K/V from 8 to 32 heads;
+- ``pack``: the same with the pack's grouped decode attention (``nodes/pe/attention.py``, the default): K/V read in
+  place. Both pack variants use the same cache buckets, so they differ only in attention.
 
 Reports decode tokens/s, time to first token, compile (warm-up minus timed run) and peak memory as a markdown table,
 and writes JSON to ``$OUT/bench_pe.json`` after every measurement. Each measurement is guarded: an error is printed
-and the run goes on.
+and the run goes on. ``--profile`` adds where a decode token's GPU time goes on ``pack`` at 1x256: the top CUDA
+kernels of 32 decode steps (a torch.profiler trace, also written to ``$OUT/bench_pe_trace.json.gz``).
 
     cd bench && python3 bench_pe.py
-    cd bench && python3 bench_pe.py --variants pack,static --shapes 1x256,1x1024,4x1024
+    cd bench && python3 bench_pe.py --variants pack-sdpa,pack --shapes 1x256,1x1024,4x1024 --profile
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import time
@@ -57,22 +62,28 @@ def random_true_size_pe(dtype: torch.dtype = torch.bfloat16, device: str = "cuda
 
 
 def runners(model, decode, protocol) -> dict:
-    """``variant -> run(input_ids, attention_mask, new_tokens)``, all forcing exactly ``new_tokens``."""
+    """``variant -> make()``; ``make()`` gives ``run(input_ids, attention_mask, new_tokens)``, forcing exactly
+    ``new_tokens``. Made when the variant's turn comes, so a pack variant's KV caches go with it."""
     sampling = dict(do_sample=True, temperature=TEMPERATURE, top_p=TOP_P, pad_token_id=11, eos_token_id=2)
-    fast = decode.StaticDecoder(model, compiled=True)
 
     def generate(ids, mask, n, **extra):
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, **sampling,
                               **extra)
 
-    def pack(ids, mask, n):
-        params = protocol.SamplingParams(TEMPERATURE, TOP_P, n, seed=0)
-        return fast.generate(ids, mask, params, [2], 11, lambda: False, lambda done: None, ignore_eos=True)
+    def pack(**options):
+        fast = decode.StaticDecoder(model, compiled=True, **options)
+
+        def run(ids, mask, n):
+            params = protocol.SamplingParams(TEMPERATURE, TOP_P, n, seed=0)
+            return fast.generate(ids, mask, params, [2], 11, lambda: False, lambda done: None, ignore_eos=True)
+
+        return run
 
     return {
-        "generate": generate,
-        "static": lambda ids, mask, n: generate(ids, mask, n, cache_implementation="static"),
-        "pack": pack,
+        "generate": lambda: generate,
+        "static": lambda: lambda ids, mask, n: generate(ids, mask, n, cache_implementation="static"),
+        "pack-sdpa": lambda: pack(attention="sdpa"),
+        "pack": lambda: pack(),
     }
 
 
@@ -118,6 +129,79 @@ def agreement(model, decode, protocol, prompt_tokens: int, device: str, new_toke
             "eager_vs_generate_prefix": prefix(outputs[False], plain)}
 
 
+def profile_decode(model, decode, protocol, prompt_tokens: int, device: str, new_tokens: int = 256, steps: int = 32,
+                   top: int = 15, trace: Path | None = None) -> dict:
+    """Where a decode token's GPU time goes on ``pack`` at the ``1 x new_tokens`` shape (its cache bucket).
+
+    Runs stop through ``should_stop`` after ``steps`` decode steps; the kernels of a run stopped before its first
+    decode step (prefill, first sample) are subtracted per kernel name, leaving the decode steps' own. Wall time per
+    token comes from the same two runs without the profiler: GPU time well below it means idle gaps between kernels.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fast = decode.StaticDecoder(model, compiled=True)
+    ids = torch.randint(1000, PE_3B["vocab_size"], (1, prompt_tokens), device=device)
+    mask = torch.ones_like(ids)
+    params = protocol.SamplingParams(TEMPERATURE, TOP_P, new_tokens, seed=0)
+
+    def run(decode_steps: int) -> None:
+        checks = iter(range(decode_steps))  # should_stop is asked before each decode step: stop after decode_steps
+        try:
+            fast.generate(ids, mask, params, [2], 11, lambda: next(checks, None) is None, lambda done: None,
+                          ignore_eos=True)
+        except protocol.GenerationStopped:
+            pass
+
+    def kernels(decode_steps: int, trace_path: Path | None = None) -> dict[str, list]:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run(decode_steps)
+            torch.cuda.synchronize()
+        if trace_path is not None:
+            prof.export_chrome_trace(str(trace_path))
+        totals: dict[str, list] = {}
+        for event in prof.events():
+            if event.device_type == DeviceType.CUDA:  # kernels, copies and memsets, also inside CUDA graphs
+                entry = totals.setdefault(event.name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += event.time_range.elapsed_us()
+        return totals
+
+    with torch.inference_mode():
+        run(steps)
+        run(steps)  # compiled (if this shape is new) and captured in CUDA graphs
+        wall_s = (cuda_time(lambda: run(steps), repeats=3) - cuda_time(lambda: run(0), repeats=3)) / steps
+        full, base = kernels(steps, trace), kernels(0)
+    decode_kernels = []
+    for name, (calls, us) in full.items():
+        base_calls, base_us = base.get(name, (0, 0.0))
+        if calls > base_calls:
+            decode_kernels.append((name, calls - base_calls, max(us - base_us, 0.0)))
+    gpu_us = sum(us for _, _, us in decode_kernels)
+    decode_kernels.sort(key=lambda k: -k[2])
+    return {
+        "shape": f"1x{new_tokens}", "cache": list(decode.StaticDecoder.shape(1, prompt_tokens, new_tokens)),
+        "steps": steps, "wall_ms_per_token": round(wall_s * 1e3, 3), "gpu_ms_per_token": round(gpu_us / steps / 1e3, 3),
+        "gpu_activities_per_token": round(sum(c for _, c, _ in decode_kernels) / steps, 1),
+        "top": [{"kernel": name, "calls": calls, "total_ms": round(us / 1e3, 3),
+                 "pct_gpu": round(100 * us / max(gpu_us, 1e-9), 1)} for name, calls, us in decode_kernels[:top]],
+    }
+
+
+def profile_table(profile: dict) -> str:
+    rows, slots = profile["cache"]
+    lines = [f"pack at {profile['shape']} ({rows} x {slots} cache slots), {profile['steps']} decode steps: "
+             f"{profile['wall_ms_per_token']} ms/token wall, {profile['gpu_ms_per_token']} ms/token on the GPU in "
+             f"{profile['gpu_activities_per_token']} kernels/copies", "",
+             "| kernel | calls | total ms | % of GPU time |", "|---|---|---|---|"]
+    for k in profile["top"]:
+        name = k["kernel"] if len(k["kernel"]) <= 90 else k["kernel"][:87] + "..."
+        lines.append(f"| `{name}` | {k['calls']} | {k['total_ms']} | {k['pct_gpu']} |")
+    if not profile["top"]:
+        lines.append("| (no CUDA kernels recorded: is CUPTI available to torch.profiler?) ||||")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| variant | batch | new tokens | decode tok/s (per seq) | decode tok/s (all) | TTFT ms | compile s "
              "| total s | peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
@@ -133,10 +217,11 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default="generate,static,pack")
+    parser.add_argument("--variants", default="generate,static,pack-sdpa,pack")
     parser.add_argument("--shapes", default="1x256,1x1024,4x1024", help="batch x new tokens, comma separated")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="Baidu's template + a short prompt ~ 100")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--profile", action="store_true", help="top CUDA kernels of 32 decode steps, pack at 1x256")
     args = parser.parse_args()
     use_comfyui()  # imports the pack as comfyui_ernie_image (the PE engine itself needs no ComfyUI)
     import transformers
@@ -156,19 +241,33 @@ def main() -> None:
         if out is not None:
             out.write_text(json.dumps(report, indent=1))
 
-    run_of = runners(model, decode, protocol)
+    make_run = runners(model, decode, protocol)
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
-    for variant in args.variants.split(","):
+    slots = {f"{b}x{n}": decode.StaticDecoder.shape(b, args.prompt_tokens, n) for b, n in shapes}
+    print(f"pack cache buckets (rows, slots): {slots}", flush=True)
+    for variant in filter(None, args.variants.split(",")):
+        run = make_run[variant]()
         for batch, new_tokens in shapes:
             row = {"variant": variant, "batch": batch, "new_tokens": new_tokens}
             try:
-                row.update(measure(run_of[variant], batch, new_tokens, args.prompt_tokens, args.device))
+                row.update(measure(run, batch, new_tokens, args.prompt_tokens, args.device))
             except Exception as error:  # one run on a lent machine: record and go on
                 traceback.print_exc()
                 row["error"] = f"{type(error).__name__}: {error}"
             report["rows"].append(row)
             print(f"[{time.time() - started:6.0f} s] {row}", flush=True)
             save()
+        del run  # its KV caches, before the next variant's peak memory is measured
+        gc.collect()
+        torch.cuda.empty_cache()
+    if args.profile:
+        try:
+            trace = out.with_name("bench_pe_trace.json.gz") if out is not None else None
+            report["profile"] = profile_decode(model, decode, protocol, args.prompt_tokens, args.device, trace=trace)
+        except Exception as error:
+            traceback.print_exc()
+            report["profile"] = f"{type(error).__name__}: {error}"
+        save()
     try:
         report["checks"]["greedy_agreement"] = agreement(model, decode, protocol, args.prompt_tokens, args.device)
     except Exception as error:
@@ -179,6 +278,10 @@ def main() -> None:
     print(f"weights read per token: {weights / 1e9:.2f} GB; at 4.3 TB/s that bounds batch-1 decode at "
           f"{4.3e12 / weights:.0f} tok/s\n")
     print(table(report["rows"]))
+    if isinstance(report.get("profile"), dict):
+        print("\n" + profile_table(report["profile"]))
+    elif "profile" in report:
+        print(f"\nprofile: {report['profile']}")
 
 
 if __name__ == "__main__":

@@ -95,6 +95,10 @@ def test_the_compiled_decode_step_traces_whole_and_matches_eager(tiny_models):
     other = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=24, seed=9)
     assert compiled.enhance(PROMPTS, other) == eager.enhance(PROMPTS, other)
     assert counters["stats"]["unique_graphs"] == graphs
+    # A run in another shape bucket (one prompt, a longer cache), then the first bucket again: each its own graph.
+    longer = SamplingParams(temperature=0.6, top_p=0.8, max_new_tokens=300, seed=4)
+    assert compiled.enhance(PROMPTS[:1], longer) == eager.enhance(PROMPTS[:1], longer)
+    assert compiled.enhance(PROMPTS, SAMPLED) == eager.enhance(PROMPTS, SAMPLED)
 
 
 def test_truncation_is_reported_and_an_eos_ends_the_text(snapshot_pe):

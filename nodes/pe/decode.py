@@ -5,7 +5,9 @@ text on either path (up to floating point), and a prompt's text does not depend 
 
 The fast path keeps a static KV cache per (batch, length) bucket and runs each decode step, sampling included, as one
 compiled function (``torch.compile(mode="reduce-overhead")``: CUDA graphs on CUDA); Python only launches steps and
-looks at the GPU every ``_SYNC_EVERY`` tokens. Plain torch and transformers, no ComfyUI.
+looks at the GPU every ``_SYNC_EVERY`` tokens. Its decode steps attend with ``attention.NAME``: grouped by KV head,
+K/V read in place (transformers' ``sdpa`` repeats them per query head when compiled). Plain torch and transformers,
+no ComfyUI.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable
 import torch
 from transformers import GenerationConfig, LogitsProcessor, StaticCache, StoppingCriteria, StoppingCriteriaList
 
+from . import attention as grouped_attention
 from .protocol import GenerationStopped, SamplingParams
 
 _SYNC_EVERY = 16  # decode steps between looks at the GPU (EOS, progress)
@@ -137,6 +140,20 @@ def _bucket(n: int, minimum: int) -> int:
     return size
 
 
+def _cache_length(n: int) -> int:
+    """Static cache slots for ``n`` tokens: multiples of 256 up to 2048, then quarter steps of each doubling (2560,
+    3072, 3584, 4096, 5120, ...).
+
+    Every decode step reads the K/V of every slot (masked or not), so empty slots cost bandwidth and memory: powers
+    of two leave up to half of them empty (1152 tokens → 2048 slots; the node's default 2048 new tokens plus a prompt
+    → 4096), these steps under a quarter beyond 1024 tokens (→ 1280; → 2560) and under 256 slots below. Each size is
+    a compilation and a CUDA graph: four sizes per doubling keep them few, and a workload with a fixed
+    ``max_new_tokens`` meets one or two.
+    """
+    step = max(256, _bucket(n, 256) // 8)
+    return -(-n // step) * step
+
+
 def kv_cache_bytes(config, rows: int, length: int, dtype: torch.dtype) -> int:
     """Memory a KV cache of ``rows`` sequences of ``length`` tokens takes (for the host's memory planning)."""
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
@@ -144,11 +161,19 @@ def kv_cache_bytes(config, rows: int, length: int, dtype: torch.dtype) -> int:
 
 
 class StaticDecoder:
-    """The fast path: a static KV cache per shape bucket and a decode step that is compiled (or eager, for tests)."""
+    """The fast path: a static KV cache per shape bucket and a decode step that is compiled (or eager, for tests).
 
-    def __init__(self, model: torch.nn.Module, compiled: bool):
+    ``attention``: the ``attn_implementation`` the model runs under while this decoder generates (the default:
+    grouped decode attention; ``"sdpa"`` or None: the model's own, for comparisons). Only this decoder's calls
+    switch it; plain ``generate`` keeps the model's own.
+    """
+
+    def __init__(self, model: torch.nn.Module, compiled: bool, attention: str | None = grouped_attention.NAME):
         self.model = model
         self.compiled = compiled
+        self.attention = attention
+        if attention == grouped_attention.NAME:
+            grouped_attention.register()
         params = inspect.signature(type(model).forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.24 renamed it
         self._caches: dict[tuple[int, int], StaticCache] = {}
@@ -156,7 +181,7 @@ class StaticDecoder:
     @staticmethod
     def shape(batch: int, prompt_length: int, max_new_tokens: int) -> tuple[int, int]:
         """The (batch, cache length) bucket a request runs in."""
-        return _bucket(batch, 1), _bucket(prompt_length + max_new_tokens, 256)
+        return _bucket(batch, 1), _cache_length(prompt_length + max_new_tokens)
 
     def release(self) -> None:
         """Drop the KV caches (when the weights leave the device)."""
@@ -184,6 +209,21 @@ class StaticDecoder:
     ) -> torch.Tensor:
         """New tokens ``[B, T]`` for left-padded prompts (a row goes on after its EOS until all rows have one: cut
         at the first EOS); ``ignore_eos`` runs all ``max_new_tokens`` (benchmarks)."""
+        with grouped_attention.using(self.model, self.attention):
+            return self._generate(input_ids, attention_mask, params, eos_ids, pad_id, should_stop, progress,
+                                  ignore_eos)
+
+    def _generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        params: SamplingParams,
+        eos_ids: list[int],
+        pad_id: int,
+        should_stop: Callable[[], bool],
+        progress: Callable[[int], None],
+        ignore_eos: bool,
+    ) -> torch.Tensor:
         batch, prompt_length = input_ids.shape
         rows, length = self.shape(batch, prompt_length, params.max_new_tokens)
         device = input_ids.device

@@ -1,0 +1,172 @@
+"""The PE fast path's grouped decode attention (``nodes/pe/attention.py``) against transformers' ``sdpa``, on a tiny
+Ministral 3 with grouped-query attention (4 query heads share 2 KV heads, as the PE's 32 share 8): the same logits for
+a left-padded batch on a static cache, in float32 and bfloat16; the same tokens from the fast path, eager or compiled;
+and the model's own attention left as it was for plain ``generate``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import Ministral3Config, Ministral3ForCausalLM, StaticCache
+
+from comfyui_ernie_image.nodes.pe import attention, decode
+from comfyui_ernie_image.nodes.pe.protocol import SamplingParams
+
+LAYERS, CACHE_SLOTS, DECODE_STEPS = 2, 32, 8
+PROMPT_LENGTHS = (5, 9, 12)  # left-padded to 12: two rows start with padding
+
+
+@pytest.fixture(scope="module")
+def gqa_model() -> Ministral3ForCausalLM:
+    """Random weights with a wide init, so attention is peaked: a mask or head mix-up changes the logits."""
+    torch.manual_seed(0)
+    config = Ministral3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.3,
+        tie_word_embeddings=False,
+    )
+    model = Ministral3ForCausalLM(config).eval()
+    assert model.config._attn_implementation == "sdpa"
+    return model
+
+
+def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    width = max(PROMPT_LENGTHS)
+    input_ids = torch.zeros(len(PROMPT_LENGTHS), width, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for row, length in enumerate(PROMPT_LENGTHS):
+        input_ids[row, width - length:] = torch.randint(3, 256, (length,), generator=generator)
+        mask[row, width - length:] = 1
+    return input_ids, mask
+
+
+FORCED = torch.randint(3, 256, (DECODE_STEPS, len(PROMPT_LENGTHS)), generator=torch.Generator().manual_seed(2))
+
+
+def static_cache_logits(model, implementation: str, input_ids: torch.Tensor, mask: torch.Tensor,
+                        forced: torch.Tensor = FORCED) -> torch.Tensor:
+    """Logits ``[1 + steps, B, V]`` of a prefill and the decode steps of ``forced`` tokens ``[steps, B]``, laid out
+    as ``StaticDecoder`` does: one mask over all cache slots, positions counted from each row's first real token."""
+    rows, width = input_ids.shape
+    cache_mask = torch.ones(rows, CACHE_SLOTS, dtype=mask.dtype)
+    cache_mask[:, :width] = mask
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    cache = StaticCache(config=model.config, max_cache_len=CACHE_SLOTS)
+    cache_arg = decode.StaticDecoder(model, compiled=False)._cache_arg
+    logits = []
+    with torch.inference_mode(), attention.using(model, implementation):
+        out = model(input_ids=input_ids, attention_mask=cache_mask, position_ids=positions, use_cache=True,
+                    logits_to_keep=1, **{cache_arg: cache})
+        logits.append(out.logits[:, -1].float())
+        position = positions[:, -1:] + 1
+        for token in forced:
+            out = model(input_ids=token[:, None], attention_mask=cache_mask, position_ids=position, use_cache=True,
+                        **{cache_arg: cache})
+            logits.append(out.logits[:, -1].float())
+            position = position + 1
+    return torch.stack(logits)
+
+
+@pytest.fixture
+def grouped_calls(monkeypatch) -> list[tuple[int, ...]]:
+    """The query shapes the grouped decode attention ran on (proof that the decode steps took it)."""
+    calls, original = [], attention.grouped_query_attention
+
+    def spy(query, *args):
+        calls.append(tuple(query.shape))
+        return original(query, *args)
+
+    monkeypatch.setattr(attention, "grouped_query_attention", spy)
+    return calls
+
+
+def test_grouped_decode_gives_sdpas_logits_on_a_padded_static_cache_in_float32(gqa_model, grouped_calls):
+    attention.register()
+    input_ids, mask = padded_batch()
+    reference = static_cache_logits(gqa_model, "sdpa", input_ids, mask)
+    assert grouped_calls == []
+    grouped = static_cache_logits(gqa_model, attention.NAME, input_ids, mask)
+    assert grouped_calls == [(3, 4, 1, 16)] * (DECODE_STEPS * LAYERS)  # every decode step of every layer, no prefill
+    assert torch.equal(grouped[0], reference[0])  # the prompt goes through sdpa itself
+    torch.testing.assert_close(grouped, reference, rtol=1e-5, atol=1e-4)
+    assert reference[1:].abs().max() > 5  # peaked attention: a wrong mask or head order would show
+    # Padding is masked: each padded row gives the logits it gives alone.
+    for row, length in enumerate(PROMPT_LENGTHS[:2]):
+        alone = static_cache_logits(gqa_model, attention.NAME, input_ids[row:row + 1, -length:],
+                                    mask[row:row + 1, -length:], FORCED[:, row:row + 1])
+        torch.testing.assert_close(alone[:, 0], grouped[:, row], rtol=1e-5, atol=1e-4)
+    assert gqa_model.config._attn_implementation == "sdpa"  # switched back after each block
+
+
+def test_grouped_decode_is_as_close_to_float32_as_sdpa_in_bfloat16(gqa_model, grouped_calls):
+    """bf16 has no bitwise reference: both attentions are compared with the float32 model. The grouped scores are
+    rounded to bf16 by the matmul (as transformers' eager attention does), SDPA keeps them in fp32; the logits
+    stay within the error bf16 itself makes."""
+    attention.register()
+    input_ids, mask = padded_batch()
+    exact = static_cache_logits(gqa_model, "sdpa", input_ids, mask)
+    half = copy.deepcopy(gqa_model).to(torch.bfloat16)
+    sdpa = static_cache_logits(half, "sdpa", input_ids, mask)
+    grouped = static_cache_logits(half, attention.NAME, input_ids, mask)
+    assert len(grouped_calls) == DECODE_STEPS * LAYERS
+    sdpa_error, grouped_error = (sdpa - exact).abs().max(), (grouped - exact).abs().max()
+    assert grouped_error <= 2 * sdpa_error, (grouped_error, sdpa_error)
+    assert (grouped - sdpa).abs().max() <= 0.05 * exact.abs().max()
+
+
+def test_grouped_attention_reads_each_kv_head_for_its_own_query_heads():
+    """Direct check of the head mapping and both mask forms against an explicit repeat of K/V."""
+    generator = torch.Generator().manual_seed(3)
+    shapes = [(2, 6, 1, 8), (2, 3, 10, 8), (2, 3, 10, 8)]  # 6 query heads read 3 KV heads
+    query, key, value = (torch.randn(shape, generator=generator) for shape in shapes)
+    keep = torch.rand(2, 1, 1, 10, generator=generator) > 0.3
+    keep[..., 0] = True
+    repeated_key, repeated_value = key.repeat_interleave(2, dim=1), value.repeat_interleave(2, dim=1)
+    expected = torch.nn.functional.scaled_dot_product_attention(query, repeated_key, repeated_value, attn_mask=keep)
+    expected = expected.transpose(1, 2)
+    for mask in (keep, torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)):
+        got = attention.grouped_query_attention(query, key, value, mask, 8**-0.5)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attention.grouped_query_attention(query, key, value, keep.expand(2, 6, 1, 10), 8**-0.5),
+                               expected, rtol=1e-5, atol=1e-5)  # a per-head mask
+
+
+def fast_path_tokens(model, params: SamplingParams, **options) -> torch.Tensor:
+    input_ids, mask = padded_batch()
+    return decode.StaticDecoder(model, **options).generate(
+        input_ids, mask, params, [2], 0, lambda: False, lambda done: None, ignore_eos=True)
+
+
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=20, seed=4)
+
+
+def test_the_fast_path_gives_the_same_tokens_with_either_attention(gqa_model, grouped_calls):
+    before = fast_path_tokens(gqa_model, SAMPLED, compiled=False, attention="sdpa")
+    assert grouped_calls == []
+    after = fast_path_tokens(gqa_model, SAMPLED, compiled=False)
+    assert len(grouped_calls) == (SAMPLED.max_new_tokens - 1) * LAYERS
+    assert torch.equal(after, before) and len(set(after[0].tolist())) > 5
+    assert gqa_model.config._attn_implementation == "sdpa"  # plain generate keeps the model's own attention
+
+
+def test_the_compiled_grouped_step_matches_eager_sdpa(gqa_model):
+    """On the CPU (inductor, no CUDA graphs): the compiled step with the grouped attention traces whole and gives
+    the tokens of the eager step with sdpa."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    compiled = fast_path_tokens(gqa_model, SAMPLED, compiled=True)
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
+    assert torch.equal(compiled, fast_path_tokens(gqa_model, SAMPLED, compiled=False, attention="sdpa"))
+
+
+def test_cache_lengths_waste_under_a_quarter_in_few_sizes():
+    assert [decode._cache_length(n) for n in (1, 256, 257, 384, 1152, 2048, 2049, 2198, 4096, 4097)] == [
+        256, 256, 512, 512, 1280, 2048, 2560, 2560, 4096, 5120]
+    assert all(n <= decode._cache_length(n) < n + 256 for n in range(1, 1025))
+    assert all(n <= decode._cache_length(n) < 1.25 * n for n in range(1025, 9000))
+    assert len({decode._cache_length(n) for n in range(1, 4097)}) == 12  # 256…2048 by 256, 2560…4096 by 512
+    assert decode.StaticDecoder.shape(3, 128, 1024) == (4, 1280)
