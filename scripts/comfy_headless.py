@@ -61,11 +61,12 @@ class ComfyServer:
     """Starts ComfyUI's ``main.py`` on a free port with its own base directory; talks to it over HTTP.
 
     ``pack_dir`` is installed as ``custom_nodes/<pack_name>`` (a link); ``ui`` serves the real frontend
-    (the ``comfyui-frontend-package``), otherwise a placeholder page.
+    (the ``comfyui-frontend-package``), otherwise a placeholder page; ``python`` is the interpreter that runs
+    ComfyUI (another environment's, e.g. a fresh install's), by default this one.
     """
 
     def __init__(self, comfy_dir: Path, base_dir: Path, pack_dir: Path, models_dir: Path, cpu: bool = True,
-                 ui: bool = False, pack_name: str = "comfyui-ernie-image"):
+                 ui: bool = False, pack_name: str = "comfyui-ernie-image", python: str | Path = sys.executable):
         self.comfy_dir = comfy_dir
         self.base_dir = base_dir
         self.port = free_port()
@@ -89,7 +90,7 @@ class ComfyServer:
         )
         paths.write_text(f"ernie:\n  base_path: {base_dir}\n  custom_nodes: {custom_nodes_dir}\n{model_folders}\n")
         self.args = [
-            sys.executable, "main.py", *(["--cpu"] if cpu else []), "--listen", "127.0.0.1", "--port", str(self.port),
+            str(python), "main.py", *(["--cpu"] if cpu else []), "--listen", "127.0.0.1", "--port", str(self.port),
             "--disable-auto-launch", "--disable-api-nodes", "--verbose", "DEBUG", *frontend_args,
             "--base-directory", str(base_dir), "--extra-model-paths-config", str(paths),
         ]
