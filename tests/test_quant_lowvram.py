@@ -8,8 +8,10 @@ without one.
 from __future__ import annotations
 
 import comfy.model_patcher
+import pytest
 import torch
 from diffusers import ErnieImageTransformer2DModel
+from torch.testing._internal.two_tensor import TwoTensor
 
 from comfyui_ernie_image.nodes.dit.model import make_model_patcher
 from comfyui_ernie_image.nodes.dit.patcher import ErnieModelPatcher
@@ -44,39 +46,28 @@ def test_the_dit_is_never_unloaded_in_part():
     assert devices(patcher) == {"meta"}  # ComfyUI then unloads the whole model (LoadedModel.model_unload)
 
 
-def test_quantized_weights_count_by_what_they_hold():
+class RefusesDetachInInferenceMode(TwoTensor):
+    """Fault injection: torchao 0.17's weights refuse ``detach`` under inference mode (seen on the H200: "Cannot set
+    version_counter for inference tensor" from ``state_dict()``), and torchao does not run on the CPU."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        if func is torch.ops.aten.detach.default and torch.is_inference_mode_enabled():
+            raise RuntimeError("Cannot set version_counter for inference tensor")
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("wrapper", [TwoTensor, RefusesDetachInInferenceMode])
+def test_quantized_weights_count_by_what_they_hold(wrapper):
     """torchao's quantized weights are wrapper tensors that report the original dtype: ComfyUI's own size estimate
-    would count an FP8 DiT as 16 GB. TwoTensor (torch's test wrapper, two tensors inside) stands in for them."""
-    from torch.testing._internal.two_tensor import TwoTensor
-
+    would count an FP8 DiT as 16 GB. TwoTensor (torch's test wrapper, two tensors inside) stands in for them. The
+    size is asked under inference mode, as ComfyUI's executor runs every node."""
     transformer = ErnieImageTransformer2DModel(**TINY_DIT)
     plain = make_model_patcher(transformer).model_size()
     layer = transformer.layers[0].mlp.gate_proj
     weight = layer.weight.detach()
-    layer.weight = torch.nn.Parameter(TwoTensor(weight, weight.clone()), requires_grad=False)
-    patcher = make_model_patcher(transformer)
-    assert patcher.model_size() == plain + weight.nelement() * weight.element_size()
-    assert patcher.clone().model_size() == patcher.model_size()
-
-
-def test_quantized_size_is_read_in_inference_mode_without_detaching():
-    """ComfyUI runs nodes under inference mode, where torchao 0.17's weights refuse ``detach`` (seen on the H200:
-    "Cannot set version_counter for inference tensor" from ``state_dict()``). torchao does not run on the CPU, so a
-    fault-injecting TwoTensor stands in: it raises as torchao did when detached inside inference mode."""
-    from torch.testing._internal.two_tensor import TwoTensor
-
-    class RefusesDetachInInferenceMode(TwoTensor):
-        @classmethod
-        def __torch_dispatch__(cls, func, types, args, kwargs=None):
-            if func is torch.ops.aten.detach.default and torch.is_inference_mode_enabled():
-                raise RuntimeError("Cannot set version_counter for inference tensor")
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
-    transformer = ErnieImageTransformer2DModel(**TINY_DIT)
-    plain = make_model_patcher(transformer).model_size()
-    layer = transformer.layers[0].mlp.gate_proj
-    weight = layer.weight.detach()
-    layer.weight = torch.nn.Parameter(RefusesDetachInInferenceMode(weight, weight.clone()), requires_grad=False)
+    layer.weight = torch.nn.Parameter(wrapper(weight, weight.clone()), requires_grad=False)
     patcher = make_model_patcher(transformer)
     with torch.inference_mode():
         assert patcher.model_size() == plain + weight.nbytes
+    assert patcher.clone().model_size() == patcher.model_size()

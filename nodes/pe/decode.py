@@ -12,6 +12,7 @@ no ComfyUI.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections.abc import Callable
@@ -160,6 +161,17 @@ def kv_cache_bytes(config, rows: int, length: int, dtype: torch.dtype) -> int:
     return rows * length * per_token * torch.empty((), dtype=dtype).element_size()
 
 
+def _in_own_attention(method: Callable) -> Callable:
+    """Runs a ``StaticDecoder`` method with the model switched to the decoder's attention, and back after."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with grouped_attention.using(self.model, self.attention):
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class StaticDecoder:
     """The fast path: a static KV cache per shape bucket and a decode step that is compiled (or eager, for tests).
 
@@ -195,6 +207,7 @@ class StaticDecoder:
             cache.reset()
         return cache
 
+    @_in_own_attention
     @torch.inference_mode()
     def generate(
         self,
@@ -209,21 +222,6 @@ class StaticDecoder:
     ) -> torch.Tensor:
         """New tokens ``[B, T]`` for left-padded prompts (a row goes on after its EOS until all rows have one: cut
         at the first EOS); ``ignore_eos`` runs all ``max_new_tokens`` (benchmarks)."""
-        with grouped_attention.using(self.model, self.attention):
-            return self._generate(input_ids, attention_mask, params, eos_ids, pad_id, should_stop, progress,
-                                  ignore_eos)
-
-    def _generate(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        params: SamplingParams,
-        eos_ids: list[int],
-        pad_id: int,
-        should_stop: Callable[[], bool],
-        progress: Callable[[int], None],
-        ignore_eos: bool,
-    ) -> torch.Tensor:
         batch, prompt_length = input_ids.shape
         rows, length = self.shape(batch, prompt_length, params.max_new_tokens)
         device = input_ids.device
