@@ -16,6 +16,7 @@ lives outside the clone's options and the run's own objects.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from dataclasses import dataclass
@@ -112,8 +113,7 @@ def _compile_sampler_sample(executor, *args, **kwargs):
     holder, blocks_name = dit_blocks(guider.model_patcher)
     mode = extra_args["model_options"]["transformer_options"][COMPILE_KEY]
     regional = RegionalCompile(getattr(holder, blocks_name), mode)
-    if not _compile_announced:
-        _announce_compile()
+    _announce_compile()
     try:
         regional.install()
         return executor(*args, **kwargs)
@@ -121,12 +121,8 @@ def _compile_sampler_sample(executor, *args, **kwargs):
         regional.remove()
 
 
-_compile_announced = False
-
-
+@functools.cache  # once per process
 def _announce_compile() -> None:
-    global _compile_announced
-    _compile_announced = True
     log.info("ERNIE-Image: compiling the DiT's blocks on this first run (once per process and batch size); "
              "an ERNIE-Image Compile node with mode 'off' turns compilation off")
 
