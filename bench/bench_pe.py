@@ -9,16 +9,22 @@ shape (batch x new tokens, ``min_new_tokens`` / ``ignore_eos`` force the length)
 - ``pack-sdpa``: the pack's fast path, ``StaticDecoder(compiled=True, attention="sdpa")``: static KV cache, one
   compiled decode step with CUDA graphs, top-p sampling on the GPU; attention is transformers' ``sdpa``, which under
   compilation repeats K/V from 8 to 32 heads;
-- ``pack``: the same with the pack's grouped decode attention (``nodes/pe/attention.py``, the default): K/V read in
-  place. Both pack variants use the same cache buckets, so they differ only in attention.
+- ``pack-unfused``: the same with the pack's grouped decode attention (``nodes/pe/attention.py``, the default): K/V
+  read in place;
+- ``pack``: what the pack runs: the same after ``nodes/pe/fused.py`` stacks each layer's gate and up projections
+  into one matrix. It fuses the model in place, so the variants above run first (the order of ``--variants``).
+All pack variants use the same cache buckets.
 
 Reports decode tokens/s, time to first token, compile (warm-up minus timed run) and peak memory as a markdown table,
 and writes JSON to ``$OUT/bench_pe.json`` after every measurement. Each measurement is guarded: an error is printed
 and the run goes on. ``--profile`` adds where a decode token's GPU time goes on ``pack`` at 1x256: the top CUDA
-kernels of 32 decode steps (a torch.profiler trace, also written to ``$OUT/bench_pe_trace.json.gz``).
+kernels of 32 decode steps (a torch.profiler trace, also written to ``$OUT/bench_pe_trace.json.gz``). ``--gemv``
+adds the bandwidth of one batch-1 matrix-vector product per PE weight shape, separate and stacked, replayed from a
+CUDA graph: cuBLAS (``F.linear``) and an inductor-generated reduction (``(x * W).sum(-1)`` compiled).
 
     cd bench && python3 bench_pe.py
     cd bench && python3 bench_pe.py --variants pack-sdpa,pack --shapes 1x256,1x1024,4x1024 --profile
+    cd bench && python3 bench_pe.py --variants pack-unfused,pack --gemv
 """
 
 from __future__ import annotations
@@ -62,6 +68,8 @@ def random_true_size_pe(dtype: torch.dtype = torch.bfloat16, device: str = "cuda
 
 
 def runners(model, decode, protocol) -> dict:
+    from comfyui_ernie_image.nodes.pe.fused import FusedGatedMLP, fuse_mlp_projections
+
     """``variant -> make()``; ``make()`` gives ``run(input_ids, attention_mask, new_tokens)``, forcing exactly
     ``new_tokens``. Made when the variant's turn comes, so a pack variant's KV caches go with it."""
     sampling = dict(do_sample=True, temperature=TEMPERATURE, top_p=TOP_P, pad_token_id=11, eos_token_id=2)
@@ -79,11 +87,19 @@ def runners(model, decode, protocol) -> dict:
 
         return run
 
+    def unfused(make):
+        def check():
+            if isinstance(model.model.layers[0].mlp, FusedGatedMLP):
+                raise ValueError("the model is fused already: list this variant before 'pack'")
+            return make()
+        return check
+
     return {
-        "generate": lambda: generate,
-        "static": lambda: lambda ids, mask, n: generate(ids, mask, n, cache_implementation="static"),
-        "pack-sdpa": lambda: pack(attention="sdpa"),
-        "pack": lambda: pack(),
+        "generate": unfused(lambda: generate),
+        "static": unfused(lambda: lambda ids, mask, n: generate(ids, mask, n, cache_implementation="static")),
+        "pack-sdpa": unfused(lambda: pack(attention="sdpa")),
+        "pack-unfused": unfused(lambda: pack()),
+        "pack": lambda: (fuse_mlp_projections(model), pack())[1],
     }
 
 
@@ -188,6 +204,53 @@ def profile_decode(model, decode, protocol, prompt_tokens: int, device: str, new
     }
 
 
+GEMV_SHAPES = {  # (out, in) of each PE weight at batch 1; "+" rows are the stacked matrices
+    "q": (4096, 3072), "k or v": (1024, 3072), "q+k+v": (6144, 3072), "o": (3072, 4096),
+    "gate or up": (9216, 3072), "gate+up": (18432, 3072), "down": (3072, 9216), "lm_head": (131072, 3072),
+}
+
+
+def gemv_bandwidth(device: str, calls: int = 50) -> list[dict]:
+    """GB/s of one ``[1, in] x [out, in]^T`` product per shape: cuBLAS and a compiled reduction, each replayed
+    ``calls`` times from one CUDA graph (no launch gaps), median of 5 replays."""
+    def reduction(x, w):
+        return (x.float() * w.float()).sum(-1).to(x.dtype)
+
+    kernels = {"cublas": torch.nn.functional.linear, "reduction": torch.compile(reduction, dynamic=False)}
+    rows = []
+    for name, (out_features, in_features) in GEMV_SHAPES.items():
+        w = torch.randn(out_features, in_features, device=device, dtype=torch.bfloat16)
+        x = torch.randn(1, in_features, device=device, dtype=torch.bfloat16)
+        row = {"weight": name, "shape": f"{out_features}x{in_features}", "mb": round(w.numel() * 2 / 1e6, 1)}
+        graph = None
+        for kernel, fn in kernels.items():
+            try:
+                fn(x, w), fn(x, w)  # compiles, warms up
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(calls):
+                        fn(x, w)
+                seconds = cuda_time(graph.replay, repeats=5) / calls
+                row[f"{kernel}_us"] = round(seconds * 1e6, 1)
+                row[f"{kernel}_gb_s"] = round(w.numel() * 2 / seconds / 1e9)
+            except Exception as error:
+                traceback.print_exc()
+                row[f"{kernel}_us"] = f"{type(error).__name__}"
+        rows.append(row)
+        print(row, flush=True)
+        del w, graph
+    return rows
+
+
+def gemv_table(rows: list[dict]) -> str:
+    lines = ["| weight | shape | MB | cuBLAS µs (GB/s) | compiled reduction µs (GB/s) |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['weight']} | {r['shape']} | {r['mb']} | {r.get('cublas_us')} ({r.get('cublas_gb_s')}) | "
+                     f"{r.get('reduction_us')} ({r.get('reduction_gb_s')}) |")
+    return "\n".join(lines)
+
+
 def profile_table(profile: dict) -> str:
     rows, slots = profile["cache"]
     lines = [f"pack at {profile['shape']} ({rows} x {slots} cache slots), {profile['steps']} decode steps: "
@@ -222,6 +285,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128, help="Baidu's template + a short prompt ~ 100")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--profile", action="store_true", help="top CUDA kernels of 32 decode steps, pack at 1x256")
+    parser.add_argument("--gemv", action="store_true", help="bandwidth of batch-1 products per PE weight shape")
     args = parser.parse_args()
     use_comfyui()  # imports the pack as comfyui_ernie_image (the PE engine itself needs no ComfyUI)
     import transformers
@@ -241,6 +305,9 @@ def main() -> None:
         if out is not None:
             out.write_text(json.dumps(report, indent=1))
 
+    if args.gemv:
+        report["gemv"] = gemv_bandwidth(args.device)
+        save()
     make_run = runners(model, decode, protocol)
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
     slots = {f"{b}x{n}": decode.StaticDecoder.shape(b, args.prompt_tokens, n) for b, n in shapes}
@@ -278,6 +345,8 @@ def main() -> None:
     print(f"weights read per token: {weights / 1e9:.2f} GB; at 4.3 TB/s that bounds batch-1 decode at "
           f"{4.3e12 / weights:.0f} tok/s\n")
     print(table(report["rows"]))
+    if "gemv" in report:
+        print("\n" + gemv_table(report["gemv"]))
     if isinstance(report.get("profile"), dict):
         print("\n" + profile_table(report["profile"]))
     elif "profile" in report:

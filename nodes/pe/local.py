@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .decode import StaticDecoder, generate_plain, kv_cache_bytes
+from .fused import fuse_mlp_projections
 from .protocol import Completion, GenerationStopped, PromptSpec, SamplingParams
 from .runtime import Runtime, default_runtime
 from .weights import PESource, path_source, snapshot_source
@@ -81,6 +82,7 @@ class LocalPromptEnhancer:
         device = self.runtime.device(self.device_name)
         dtype = DTYPES.get(self.dtype_name) or _auto_dtype(device)
         model, tokenizer = self.source.load(dtype)
+        fuse_mlp_projections(model)  # one product for gate and up: decode steps stream the weights faster
         mode = self.decode
         if mode == "auto":
             mode = "static-compiled" if device.type == "cuda" and _compiler_available() else "generate"
