@@ -87,7 +87,9 @@ class ErnieImageDiffusionModel(torch.nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
+        # diffusers' answer (the first floating-point parameter's dtype; quantized weights report their original
+        # one) without its walk over all 558 modules, which ComfyUI's model call paid at every step (0.75 ms).
+        return next(p.dtype for p in self.transformer.parameters() if p.is_floating_point())
 
     def forward(self, x, timestep, context, text_lens, transformer_options={}, **kwargs):
         # diffusers modules never call ComfyUI's per-op interrupt check: do it once per model call.
