@@ -11,6 +11,7 @@ import comfy.model_patcher
 import pytest
 import torch
 from diffusers import ErnieImageTransformer2DModel
+from torch.overrides import TorchFunctionMode
 from torch.testing._internal.two_tensor import TwoTensor
 
 from comfyui_ernie_image.nodes.dit.model import make_model_patcher
@@ -46,28 +47,48 @@ def test_the_dit_is_never_unloaded_in_part():
     assert devices(patcher) == {"meta"}  # ComfyUI then unloads the whole model (LoadedModel.model_unload)
 
 
-class RefusesDetachInInferenceMode(TwoTensor):
-    """Fault injection: torchao 0.17's weights refuse ``detach`` under inference mode (seen on the H200: "Cannot set
-    version_counter for inference tensor" from ``state_dict()``), and torchao does not run on the CPU."""
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args, kwargs=None):
-        if func is torch.ops.aten.detach.default and torch.is_inference_mode_enabled():
-            raise RuntimeError("Cannot set version_counter for inference tensor")
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-@pytest.mark.parametrize("wrapper", [TwoTensor, RefusesDetachInInferenceMode])
-def test_quantized_weights_count_by_what_they_hold(wrapper):
+def test_quantized_weights_count_by_what_they_hold():
     """torchao's quantized weights are wrapper tensors that report the original dtype: ComfyUI's own size estimate
-    would count an FP8 DiT as 16 GB. TwoTensor (torch's test wrapper, two tensors inside) stands in for them. The
-    size is asked under inference mode, as ComfyUI's executor runs every node."""
+    would count an FP8 DiT as 16 GB. TwoTensor (torch's test wrapper, two tensors inside) stands in for them, and
+    it fails as they do (both alias through ``return_and_correct_aliasing``): made outside inference mode, it
+    refuses ``detach`` inside it ("Cannot set version_counter for inference tensor", seen with torchao 0.17 on the
+    H200), so the size must not come from ``state_dict()``. It is asked under inference mode, as ComfyUI's executor
+    runs every node."""
     transformer = ErnieImageTransformer2DModel(**TINY_DIT)
     plain = make_model_patcher(transformer).model_size()
     layer = transformer.layers[0].mlp.gate_proj
     weight = layer.weight.detach()
-    layer.weight = torch.nn.Parameter(wrapper(weight, weight.clone()), requires_grad=False)
+    layer.weight = torch.nn.Parameter(TwoTensor(weight, weight.clone()), requires_grad=False)
     patcher = make_model_patcher(transformer)
     with torch.inference_mode():
         assert patcher.model_size() == plain + weight.nbytes
     assert patcher.clone().model_size() == patcher.model_size()
+    assert patcher.model.diffusion_model.dtype == transformer.dtype == torch.float32  # diffusers' answer
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="version_counter"):
+        transformer.state_dict()  # what a size from the state dict would meet
+
+
+class DeviceMoves(TorchFunctionMode):
+    """Records, for each ``Tensor.to`` call, whether inference mode was on."""
+
+    def __init__(self):
+        super().__init__()
+        self.inference_mode: set[bool] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.to:
+            self.inference_mode.add(torch.is_inference_mode_enabled())
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_dit_moves_outside_inference_mode():
+    """ComfyUI loads and unloads models inside inference mode, where torchao's quantized weights cannot change device
+    (``patcher.py``): the DiT's moves run outside it."""
+    patcher = make_model_patcher(ErnieImageTransformer2DModel(**TINY_DIT))
+    moves = DeviceMoves()
+    with torch.inference_mode(), moves:
+        patcher.load(GPU)
+        assert devices(patcher) == {"meta"} and moves.inference_mode == {False}
+        moves.inference_mode.clear()
+        patcher.unpatch_model(GPU)  # the unload's move (back to "meta": nothing comes back from it)
+    assert moves.inference_mode == {False}

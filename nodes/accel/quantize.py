@@ -68,8 +68,11 @@ def quantize_torchao(transformer: torch.nn.Module, quant_type: str, on: torch.de
 
     home = next(transformer.parameters()).device
     start = time.perf_counter()
-    quantize(transformer.to(on), QuantizeConfig(quant_type=quant_type))
-    transformer.to(home)
+    # Outside the inference mode ComfyUI runs nodes in: torchao's weights cannot change device inside it
+    # (``patcher.py`` says why).
+    with torch.inference_mode(False):
+        quantize(transformer.to(on), QuantizeConfig(quant_type=quant_type))
+        transformer.to(home)
     logging.info("ERNIE-Image: quantized the DiT to %s on %s in %.1f s", quant_type, on, time.perf_counter() - start)
     return transformer
 

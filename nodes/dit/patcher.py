@@ -6,6 +6,11 @@ which that loading neither moves nor casts: a partly loaded DiT would run some l
 rule here is: every load is a full load (ComfyUI first unloads other models to make room, as for any model), and
 when ComfyUI needs the memory back, the DiT is unloaded whole. To fit a smaller GPU, quantize the DiT
 (``fp8_per_row`` halves its weights).
+
+The DiT moves between devices outside inference mode, although ComfyUI runs every node inside it: there, ``.to``
+reaches torchao's quantized weights undecomposed and their aliasing fix-up fails ("Attempted to set the storage of
+a tensor on device cpu to a storage on different device cuda:0", torchao 0.17 on the H200). Plain weights move
+the same either way.
 """
 
 from __future__ import annotations
@@ -35,7 +40,12 @@ class ErnieModelPatcher(comfy.model_patcher.ModelPatcher):
         return self.size
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
-        super().load(device_to, lowvram_model_memory, force_patch_weights, full_load=True)
+        with torch.inference_mode(False):
+            super().load(device_to, lowvram_model_memory, force_patch_weights, full_load=True)
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True):
+        with torch.inference_mode(False):
+            return super().unpatch_model(device_to, unpatch_weights)
 
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False) -> int:
         return 0  # frees nothing: ComfyUI then unloads the whole model
