@@ -1,0 +1,66 @@
+"""GPU memory and time of the VAE decode at 1024x1024, whole and tiled, vs ComfyUI's own estimate (issue: memory).
+
+The loader's VAE (``nodes/dit/vae.make_vae``: core's Flux.2 VAE, random weights, real architecture), loaded by
+ComfyUI first. For each decode: the peak of allocated GPU memory above the loaded weights, and the time (median
+of 3 after a warm-up). Tiled is what core's ``VAEDecodeTiled`` node runs at its defaults (512 px tiles, 64 px
+overlap); its difference from the whole decode is ``||tiled - whole|| / ||whole||``.
+
+    cd bench && python3 bench_vae.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import partial
+
+import torch
+from common import TRUE_DIT, cuda_time, machine, use_comfyui
+
+GIB = 2**30
+
+
+def measure(decode) -> tuple[torch.Tensor, float, float]:
+    """Output, peak GiB above what was allocated before, seconds."""
+    out = decode()  # warm-up (and ComfyUI loads the VAE)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = decode()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - before) / GIB
+    return out, peak, cuda_time(decode, repeats=3)
+
+
+def main() -> None:
+    use_comfyui()
+    import comfy.model_management
+    from diffusers import AutoencoderKLFlux2
+
+    from comfyui_ernie_image.nodes.dit.vae import make_vae
+
+    torch.manual_seed(0)
+    vae = make_vae(AutoencoderKLFlux2().state_dict(), "random weights")
+    latent = torch.randn(1, TRUE_DIT["in_channels"], 64, 64)
+    compression = vae.spacial_compression_decode()
+    whole, whole_peak, whole_s = measure(partial(vae.decode, latent))
+    tiled, tiled_peak, tiled_s = measure(partial(vae.decode_tiled, latent, tile_x=512 // compression,
+                                                 tile_y=512 // compression, overlap=64 // compression))
+    estimate = vae.memory_used_decode(latent.shape, vae.vae_dtype) / GIB
+    rows = dict(machine=machine(), vae_dtype=str(vae.vae_dtype), comfy_estimate_gib=estimate,
+                whole=dict(peak_gib=whole_peak, s=whole_s),
+                tiled=dict(peak_gib=tiled_peak, s=tiled_s,
+                           rel_diff=float((tiled.float() - whole.float()).norm() / whole.float().norm())))
+    comfy.model_management.unload_all_models()
+    print(json.dumps(rows, indent=1))
+    print(f"\n{machine()}, VAE in {vae.vae_dtype}; ComfyUI's estimate for the decode: {estimate:.2f} GiB\n")
+    print("| decode 1024² | peak GiB above the weights | time s | rel. diff vs whole |\n|---|---|---|---|")
+    print(f"| whole | {whole_peak:.2f} | {whole_s:.3f} | |")
+    print(f"| tiled (512 px, overlap 64) | {tiled_peak:.2f} | {tiled_s:.3f} | {rows['tiled']['rel_diff']:.4f} |")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_vae.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
