@@ -22,10 +22,11 @@ class FusedGatedMLP(nn.Module):
     def __init__(self, mlp: nn.Module):
         super().__init__()
         gate, up = mlp.gate_proj, mlp.up_proj
-        self.gate_up_proj = nn.Linear(gate.in_features, 2 * gate.out_features, bias=False,
-                                      device=gate.weight.device, dtype=gate.weight.dtype)
+        # Made on the meta device: no random initialisation of a matrix about to be overwritten.
+        self.gate_up_proj = nn.Linear(gate.in_features, 2 * gate.out_features, bias=False, device="meta")
         with torch.no_grad():
-            torch.cat([gate.weight, up.weight], out=self.gate_up_proj.weight)
+            stacked = torch.cat([gate.weight, up.weight])
+        self.gate_up_proj.weight = nn.Parameter(stacked, requires_grad=gate.weight.requires_grad)
         self.down_proj = mlp.down_proj
         self.act_fn = mlp.act_fn
 
