@@ -11,6 +11,7 @@ from comfyui_ernie_image.nodes.dit.schedule import reference_sigmas
 from comfyui_ernie_image.nodes.dit.weights import config_from_state_dict, load_transformer
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.safetensors_files import read_safetensors
+from helpers.files import snapshot_with_truncated_file
 
 
 def test_single_file_config_is_the_snapshot_config(tiny_models):
@@ -61,12 +62,8 @@ def test_non_safetensors_file_is_refused(tmp_path):
 
 
 def test_truncated_shard_in_snapshot_is_named(tiny_models, tmp_path):
-    import shutil
-
-    snapshot = tmp_path / "snapshot"
-    shutil.copytree(tiny_models["snapshot"], snapshot)
-    shard = snapshot / "transformer" / "diffusion_pytorch_model.safetensors"
-    shard.write_bytes(shard.read_bytes()[:1000])
+    shard = "transformer/diffusion_pytorch_model.safetensors"
+    snapshot = snapshot_with_truncated_file(tiny_models["snapshot"], tmp_path, shard)
     with pytest.raises(ErnieImageError, match=r"diffusion_pytorch_model\.safetensors .*damaged or incomplete"):
         load_transformer(snapshot, torch.float32)
 

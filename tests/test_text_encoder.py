@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.text.encoder import ErnieTextEncoder
+from helpers.files import snapshot_with_truncated_file
 
 PROMPTS = ["a red cat sits on a blue mat", "", "一只 红色 的 猫", 'quotes "and" \\ backslashes\nnewline']
 
@@ -62,11 +63,6 @@ def test_truncated_single_file_is_named(tiny_models, tmp_path):
 
 
 def test_truncated_snapshot_shard_is_named(tiny_models, tmp_path):
-    import shutil
-
-    snapshot = tmp_path / "snapshot"
-    shutil.copytree(tiny_models["snapshot"], snapshot)
-    shard = snapshot / "text_encoder" / "model.safetensors"
-    shard.write_bytes(shard.read_bytes()[:1000])
+    snapshot = snapshot_with_truncated_file(tiny_models["snapshot"], tmp_path, "text_encoder/model.safetensors")
     with pytest.raises(ErnieImageError, match=r"text_encoder/model\.safetensors .*damaged or incomplete"):
         ErnieTextEncoder.from_snapshot(snapshot, torch.float32)
