@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import comfy.model_management
 import comfy.sd
 import torch
 
@@ -26,7 +27,7 @@ DECODE_BYTES_PER_LATENT_PIXEL = 11.4 * 2**30 / (64 * 64 * 2)
 def decode_memory(shape: tuple[int, ...], dtype: torch.dtype) -> float:
     """Bytes the whole decode of one image of latents ``[B, C, H, W]`` needs (ComfyUI frees room for it, then
     decodes as many images at once as fit)."""
-    return DECODE_BYTES_PER_LATENT_PIXEL * shape[2] * shape[3] * torch.empty((), dtype=dtype).element_size()
+    return DECODE_BYTES_PER_LATENT_PIXEL * shape[2] * shape[3] * comfy.model_management.dtype_size(dtype)
 
 
 def make_vae(state_dict: dict[str, torch.Tensor], source: str) -> comfy.sd.VAE:
