@@ -1,10 +1,25 @@
-"""Hand foreign (transformers / diffusers) modules to ComfyUI's model management."""
+"""Hand foreign (transformers / diffusers) modules to ComfyUI's model management, whole or not at all.
+
+Core's partial ("lowvram") loading keeps the weights of core ``ops`` layers on the CPU and casts them to the GPU at
+each call. The pack's models (the DiT, the text encoder, the Prompt Enhancer) are made of diffusers' and
+transformers' plain torch modules (and torchao or SVDQuant layers once quantized), which that loading neither moves
+nor casts: a partly loaded model would run some layers on the wrong device. ComfyUI loads partly when the model does
+not fit in the free memory, and always under ``--novram``. So the rule here is: every load is a full load (ComfyUI
+first unloads other models to make room, as for any model), and when ComfyUI needs the memory back, the model is
+unloaded whole. To fit a smaller GPU, quantize the DiT (``fp8_per_row`` halves its weights).
+
+Models move between devices outside inference mode, although ComfyUI runs every node inside it: there, ``.to``
+reaches torchao's quantized weights undecomposed and their aliasing fix-up fails ("Attempted to set the storage of
+a tensor on device cpu to a storage on different device cuda:0", torchao 0.17 on the H200). Plain weights move
+the same either way.
+"""
 
 from __future__ import annotations
 
 import comfy.model_management
 import comfy.model_patcher
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 class ManagedModule(torch.nn.Module):
@@ -17,6 +32,37 @@ class ManagedModule(torch.nn.Module):
         self.device = device
 
 
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """The memory a tensor holds. A quantized (torchao) weight reports its original dtype, so count what it wraps."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(tensor, name)) for name in names)
+    return tensor.nelement() * tensor.element_size()
+
+
+class WholeModelPatcher(comfy.model_patcher.ModelPatcher):
+    """A ModelPatcher that never loads or unloads its model in part, and knows the true size of quantized weights."""
+
+    def model_size(self) -> int:
+        # From the parameters and buffers themselves: ``state_dict()`` detaches each one, which torchao's weights
+        # refuse inside inference mode (where ComfyUI runs every node; seen with torchao 0.17 on the H200).
+        if self.size == 0:
+            tensors = [*self.model.parameters(), *self.model.buffers()]
+            self.size = sum(tensor_bytes(t) for t in tensors)
+        return self.size
+
+    def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
+        with torch.inference_mode(False):
+            super().load(device_to, lowvram_model_memory, force_patch_weights, full_load=True)
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True):
+        with torch.inference_mode(False):
+            return super().unpatch_model(device_to, unpatch_weights)
+
+    def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False) -> int:
+        return 0  # frees nothing: ComfyUI then unloads the whole model
+
+
 def text_model_dtype(device: torch.device) -> torch.dtype:
     """bf16 where the GPU runs it well (the released weights' dtype), float32 elsewhere (CPU, old GPUs)."""
     if comfy.model_management.is_device_cuda(device) and comfy.model_management.should_use_bf16(device):
@@ -24,9 +70,9 @@ def text_model_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def text_model_patcher(module: torch.nn.Module) -> comfy.model_patcher.ModelPatcher:
-    """A ModelPatcher that keeps ``module`` where ComfyUI keeps text encoders and loads it on demand."""
+def text_model_patcher(module: torch.nn.Module) -> WholeModelPatcher:
+    """A ModelPatcher that keeps ``module`` where ComfyUI keeps text encoders and loads it, whole, on demand."""
     load_device = comfy.model_management.text_encoder_device()
     offload_device = comfy.model_management.text_encoder_offload_device()
     container = ManagedModule(module.to(offload_device), offload_device)
-    return comfy.model_patcher.ModelPatcher(container, load_device=load_device, offload_device=offload_device)
+    return WholeModelPatcher(container, load_device=load_device, offload_device=offload_device)

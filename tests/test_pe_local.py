@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from comfyui_ernie_image.nodes.managed import ManagedModule
+from comfyui_ernie_image.nodes.managed import ManagedModule, WholeModelPatcher
 from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
 from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, SamplingParams
@@ -153,6 +153,7 @@ def test_the_weights_are_a_comfyui_model_that_unload_all_frees(tiny_models):
     pe = LocalPromptEnhancer.from_snapshot(tiny_models["snapshot"], runtime=ComfyRuntime())
     first = texts(pe, PROMPTS[:1], GREEDY)
     assert len(_managed_pe_models(pe)) == 1
+    assert isinstance(_managed_pe_models(pe)[0].model, WholeModelPatcher)  # never loaded in part (--novram)
     mm.unload_all_models()  # what POST /free does
     assert _managed_pe_models(pe) == []
     assert texts(pe, PROMPTS[:1], GREEDY) == first  # loads again on demand

@@ -1,8 +1,8 @@
-"""The DiT's load rule under ComfyUI's model management: whole or not at all.
+"""The load rule of the pack's models under ComfyUI's model management: whole or not at all.
 
 Core's partial ("lowvram") loading moves only some plain torch layers to the GPU and casts none of them, which would
-run the DiT across two devices. The ``meta`` device stands in for the GPU here: where a weight ends up is visible
-without one.
+run the DiT or the text encoder across two devices. The ``meta`` device stands in for the GPU here: where a weight
+ends up is visible without one.
 """
 
 from __future__ import annotations
@@ -15,33 +15,38 @@ from torch.overrides import TorchFunctionMode
 from torch.testing._internal.two_tensor import TwoTensor
 
 from comfyui_ernie_image.nodes.dit.model import make_model_patcher
-from comfyui_ernie_image.nodes.dit.patcher import ErnieModelPatcher
+from comfyui_ernie_image.nodes.managed import WholeModelPatcher
+from comfyui_ernie_image.nodes.text.managed import ManagedTextEncoder
 from tiny_models import TINY_DIT
 
 GPU = torch.device("meta")
 
 
+@pytest.fixture(params=["DiT", "text encoder"])
+def patcher(request, tiny_models) -> WholeModelPatcher:
+    if request.param == "DiT":
+        return make_model_patcher(ErnieImageTransformer2DModel(**TINY_DIT))
+    return ManagedTextEncoder.from_snapshot(tiny_models["snapshot"]).patcher
+
+
 def devices(patcher) -> set[str]:
-    return {t.device.type for t in patcher.model.diffusion_model.state_dict().values()}
+    return {t.device.type for t in patcher.model.state_dict().values()}
 
 
-def test_core_partial_loading_would_split_the_dit_across_devices():
-    core = make_model_patcher(ErnieImageTransformer2DModel(**TINY_DIT))
-    core = comfy.model_patcher.ModelPatcher(core.model, core.load_device, core.offload_device)
+def test_core_partial_loading_would_split_the_model_across_devices(patcher):
+    core = comfy.model_patcher.ModelPatcher(patcher.model, patcher.load_device, patcher.offload_device)
     core.load(GPU, lowvram_model_memory=core.model_size() // 2)
     assert devices(core) == {"cpu", "meta"}  # what the rule below prevents
 
 
-def test_the_dit_loads_whole_when_comfyui_offers_part_of_the_memory():
-    patcher = make_model_patcher(ErnieImageTransformer2DModel(**TINY_DIT))
-    assert isinstance(patcher, ErnieModelPatcher) and isinstance(patcher.clone(), ErnieModelPatcher)
+def test_the_model_loads_whole_when_comfyui_offers_part_of_the_memory(patcher):
+    assert isinstance(patcher, WholeModelPatcher) and isinstance(patcher.clone(), WholeModelPatcher)
     patcher.load(GPU, lowvram_model_memory=patcher.model_size() // 2)
     assert devices(patcher) == {"meta"}
     assert not patcher.model.model_lowvram and patcher.loaded_size() == patcher.model_size()
 
 
-def test_the_dit_is_never_unloaded_in_part():
-    patcher = make_model_patcher(ErnieImageTransformer2DModel(**TINY_DIT))
+def test_the_model_is_never_unloaded_in_part(patcher):
     patcher.load(GPU, lowvram_model_memory=0, full_load=True)
     assert patcher.partially_unload(patcher.offload_device, memory_to_free=patcher.model_size() // 2) == 0
     assert devices(patcher) == {"meta"}  # ComfyUI then unloads the whole model (LoadedModel.model_unload)
@@ -83,7 +88,7 @@ class DeviceMoves(TorchFunctionMode):
 
 def test_the_dit_moves_outside_inference_mode():
     """ComfyUI loads and unloads models inside inference mode, where torchao's quantized weights cannot change device
-    (``patcher.py``): the DiT's moves run outside it."""
+    (``nodes/managed.py``): the DiT's moves run outside it."""
     patcher = make_model_patcher(ErnieImageTransformer2DModel(**TINY_DIT))
     moves = DeviceMoves()
     with torch.inference_mode(), moves:

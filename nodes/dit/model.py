@@ -25,8 +25,8 @@ import comfy.supported_models_base
 import torch
 
 from ..errors import ErnieImageError
+from ..managed import WholeModelPatcher
 from .forward import ernie_forward
-from .patcher import ErnieModelPatcher
 from .schedule import DEFAULT_SHIFT
 
 
@@ -135,10 +135,10 @@ class ErnieImageModel(comfy.model_base.BaseModel):
 
 def make_model_patcher(transformer: torch.nn.Module, shift: float = DEFAULT_SHIFT) -> comfy.model_patcher.ModelPatcher:
     """A ComfyUI MODEL around ``transformer``: placed, offloaded and freed by ComfyUI's model management, always
-    whole (``patcher.ErnieModelPatcher`` says why)."""
+    whole (``managed.WholeModelPatcher`` says why)."""
     config = ErnieImageConfig(ErnieImageConfig.unet_config)
     config.sampling_settings["shift"] = shift
     load_device = comfy.model_management.get_torch_device()
     offload_device = comfy.model_management.unet_offload_device()
     model = ErnieImageModel(config, transformer.to(offload_device), device=offload_device)
-    return ErnieModelPatcher(model, load_device=load_device, offload_device=offload_device)
+    return WholeModelPatcher(model, load_device=load_device, offload_device=offload_device)

@@ -7,12 +7,11 @@ import time
 from collections.abc import Callable
 
 import comfy.model_management as mm
-import comfy.model_patcher
 import comfy.utils
 import torch
 from comfy.patcher_extension import CallbacksMP
 
-from ..managed import ManagedModule
+from ..managed import ManagedModule, WholeModelPatcher
 from .runtime import Runtime
 
 
@@ -30,13 +29,10 @@ class ComfyRuntime(Runtime):
         self, model: torch.nn.Module, device: torch.device, on_unload: Callable[[], None]
     ) -> Callable[[int], None]:
         offload = mm.text_encoder_offload_device()
-        patcher = comfy.model_patcher.ModelPatcher(
-            PromptEnhancerModule(model, offload), load_device=device, offload_device=offload
-        )
+        patcher = WholeModelPatcher(PromptEnhancerModule(model, offload), load_device=device, offload_device=offload)
         patcher.add_callback(CallbacksMP.ON_DETACH, lambda *args: on_unload())
 
         def load(memory_required: int) -> None:
-            # Whole or not at all: the LM's plain torch layers cannot run partly offloaded.
             mm.load_models_gpu([patcher], memory_required=memory_required, force_full_load=True)
 
         return load
