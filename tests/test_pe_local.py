@@ -3,10 +3,12 @@ fast decode path, interrupt, ComfyUI model management, and errors that say what 
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 
 import comfy.model_management as mm
+import comfy.utils
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -106,6 +108,24 @@ def test_truncation_is_reported_and_an_eos_ends_the_text(snapshot_pe):
     finished = [c for seed in range(40) for c in snapshot_pe.enhance(PROMPTS, SamplingParams(1.0, 1.0, 48, seed))
                 if not c.truncated]
     assert finished and all(c.text for c in finished)
+
+
+def test_an_interrupt_raised_by_comfyui_progress_hook_keeps_the_fast_path(tiny_models, caplog):
+    """ComfyUI's progress hook (main.py) raises the interrupt itself when the flag is up at a progress update: that
+    is a Cancel, not a failure of the fast decoder, which must stay in use."""
+    comfy.utils.set_progress_bar_global_hook(lambda *args, **kwargs: mm.throw_exception_if_processing_interrupted())
+    pe = LocalPromptEnhancer.from_snapshot(tiny_models["snapshot"], decode="static", runtime=ComfyRuntime())
+    texts(pe, PROMPTS[:1], GREEDY)
+    pe.decode = "auto"  # what "auto" is on CUDA with a compiler: the fast decoder, plain generate as its fallback
+    mm.interrupt_current_processing(True)  # Cancel lands after the last stop check, before the progress update
+    pe.runtime.should_stop = lambda: False
+    try:
+        with pytest.raises(mm.InterruptProcessingException), caplog.at_level(logging.WARNING):
+            pe.enhance(PROMPTS[:1], GREEDY)
+    finally:
+        comfy.utils.set_progress_bar_global_hook(None)
+        mm.interrupt_current_processing(False)
+    assert pe._decoder is not None and not caplog.records
 
 
 class InterruptingRuntime(ComfyRuntime):

@@ -22,6 +22,8 @@ class PromptEnhancerModule(ManagedModule):
 class ComfyRuntime(Runtime):
     """ComfyUI's devices, model management, interrupt flag and progress bar."""
 
+    interrupts = (mm.InterruptProcessingException,)
+
     def device(self, name: str) -> torch.device:
         return mm.get_torch_device() if name == "default" else torch.device(name)
 

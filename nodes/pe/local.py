@@ -117,7 +117,7 @@ class LocalPromptEnhancer:
         if self._decoder is not None:
             try:
                 return self._decoder.generate(*args)
-            except GenerationStopped:
+            except (GenerationStopped, *self.runtime.interrupts):
                 raise
             except Exception as error:  # a compiler or graph failure: keep working, slower
                 if self.decode != "auto":

@@ -13,6 +13,10 @@ import torch
 class Runtime:
     """The host the engine runs in. This base is plain torch (scripts, tests without ComfyUI)."""
 
+    # The host's own interrupt exceptions: raised from inside generation (ComfyUI's progress hook raises its
+    # interrupt), they pass through untouched, never mistaken for a failure of the fast path.
+    interrupts: tuple[type[BaseException], ...] = ()
+
     def device(self, name: str) -> torch.device:
         """``"default"``: the host's main device; otherwise a torch device name (``"cuda:1"``, ``"cpu"``)."""
         if name == "default":
