@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .errors import ErnieImageError
-from .safetensors_files import read_safetensors
+from .model_files import read_safetensors
 
 HEAD_DIM = 128  # every Ministral 3 model has 128-wide attention heads
 _PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "model.lm_head.": "lm_head."}

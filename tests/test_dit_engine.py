@@ -6,11 +6,13 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
-from comfyui_ernie_image.nodes.dit.schedule import reference_sigmas
+from comfyui_ernie_image.nodes.dit import weights
+from comfyui_ernie_image.nodes.dit.schedule import reference_sigmas, snapshot_shift
 from comfyui_ernie_image.nodes.dit.weights import config_from_state_dict, load_transformer
 from comfyui_ernie_image.nodes.errors import ErnieImageError
-from comfyui_ernie_image.nodes.safetensors_files import read_safetensors
+from comfyui_ernie_image.nodes.model_files import read_safetensors
 from helpers.files import snapshot_with_truncated_file
 
 
@@ -59,6 +61,36 @@ def test_non_safetensors_file_is_refused(tmp_path):
     pickle.write_bytes(b"not loaded")
     with pytest.raises(ErnieImageError, match=r"ernie\.ckpt is not a \.safetensors file"):
         load_transformer(pickle, torch.float32)
+
+
+@pytest.mark.parametrize("config", ["transformer/config.json", "scheduler/scheduler_config.json"])
+def test_truncated_config_is_named(tiny_models, tmp_path, config):
+    snapshot = snapshot_with_truncated_file(tiny_models["snapshot"], tmp_path, config, keep_bytes=20)
+    with pytest.raises(ErnieImageError, match=rf"{config.split('/')[1]} .*damaged or incomplete.*download it again"):
+        load_transformer(snapshot, torch.float32) if config.startswith("transformer") else snapshot_shift(snapshot)
+
+
+def test_one_shard_of_a_sharded_dit_says_to_use_the_snapshot(tiny_models, tmp_path):
+    state = read_safetensors(tiny_models["single_file"])
+    shard = tmp_path / "diffusion_pytorch_model-00001-of-00002.safetensors"
+    save_file({k: v for k, v in state.items() if not k.startswith(("final_", "layers.1."))}, shard)
+    with pytest.raises(ErnieImageError, match=r"holds only part of an ERNIE-Image DiT \(no final_linear.weight\): "
+                                              r"it looks like one shard .* whole snapshot folder under models/diffus"):
+        load_transformer(shard, torch.float32)
+
+
+def test_a_wrong_model_is_named_from_the_file_header_before_its_tensors_are_read(tmp_path, monkeypatch):
+    """An SDXL checkpoint (it holds a CLIP text encoder too): refused from its header alone, so a many-gigabyte wrong
+    file is never read into memory."""
+    sdxl = tmp_path / "sd_xl_base.safetensors"
+    save_file({"conditioner.embedders.0.transformer.text_model.encoder.layers.0.self_attn.q_proj.weight":
+               torch.ones(64, 64), "model.diffusion_model.input_blocks.0.0.weight": torch.ones(64, 64)}, sdxl)
+    reads = []
+    monkeypatch.setattr(weights, "read_safetensors", lambda path: reads.append(path) or read_safetensors(path))
+    with pytest.raises(ErnieImageError, match=r"sd_xl_base.safetensors is not an ERNIE-Image diffusion model \(it "
+                                              r"looks like a Stable Diffusion checkpoint\)"):
+        load_transformer(sdxl, torch.float32)
+    assert reads == []
 
 
 def test_truncated_shard_in_snapshot_is_named(tiny_models, tmp_path):

@@ -62,7 +62,9 @@ def test_truncated_single_file_is_named(tiny_models, tmp_path):
         ErnieTextEncoder.from_single_file(broken, torch.float32)
 
 
-def test_truncated_snapshot_shard_is_named(tiny_models, tmp_path):
-    snapshot = snapshot_with_truncated_file(tiny_models["snapshot"], tmp_path, "text_encoder/model.safetensors")
-    with pytest.raises(ErnieImageError, match=r"text_encoder/model\.safetensors .*damaged or incomplete"):
+@pytest.mark.parametrize("relative, keep_bytes", [("text_encoder/model.safetensors", 1000),
+                                                  ("text_encoder/config.json", 20)])
+def test_truncated_snapshot_file_is_named(tiny_models, tmp_path, relative, keep_bytes):
+    snapshot = snapshot_with_truncated_file(tiny_models["snapshot"], tmp_path, relative, keep_bytes)
+    with pytest.raises(ErnieImageError, match=rf"{relative} .*damaged or incomplete"):
         ErnieTextEncoder.from_snapshot(snapshot, torch.float32)

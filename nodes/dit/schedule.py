@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
+
+from ..model_files import read_json
 
 DEFAULT_SHIFT = 4.0  # Baidu's scheduler config; ComfyUI's native ERNIE uses 3.0
 
@@ -28,4 +29,4 @@ def reference_sigmas(steps: int, shift: float = DEFAULT_SHIFT) -> torch.Tensor:
 def snapshot_shift(snapshot: Path) -> float:
     """The shift in a snapshot's ``scheduler/scheduler_config.json`` (the trained 4.0 when absent)."""
     config = snapshot / "scheduler" / "scheduler_config.json"
-    return json.loads(config.read_text()).get("shift", DEFAULT_SHIFT) if config.is_file() else DEFAULT_SHIFT
+    return read_json(config).get("shift", DEFAULT_SHIFT) if config.is_file() else DEFAULT_SHIFT

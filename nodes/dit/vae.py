@@ -13,7 +13,7 @@ import comfy.sd
 import torch
 
 from ..errors import ErnieImageError
-from ..safetensors_files import read_safetensors
+from ..model_files import read_safetensors
 
 # The VAE's batch-norm epsilon as trained and as diffusers applies it; ComfyUI's Flux.2 VAE assumes 1e-4,
 # which shifts every decoded latent channel whose running variance is small.

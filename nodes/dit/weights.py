@@ -10,7 +10,6 @@ Only safetensors are read: no pickles, no remote code.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -18,33 +17,50 @@ import torch
 from safetensors import SafetensorError
 
 from ..errors import ErnieImageError
-from ..safetensors_files import check_safetensors_files, read_safetensors
+from ..model_files import check_safetensors_files, read_json, read_safetensors, safetensors_keys
 
-# A key every ERNIE-Image DiT has and no other model in ComfyUI's folders does.
+# A key every ERNIE-Image DiT has and no other model in ComfyUI's folders does, and the others its shape is read off.
 MARKER_KEY = "layers.0.adaLN_sa_ln.weight"
+REQUIRED_KEYS = (MARKER_KEY, "x_embedder.proj.weight", "layers.0.self_attention.norm_q.weight",
+                 "layers.0.mlp.gate_proj.weight", "final_linear.weight")
+_BLOCK_KEY = re.compile(r"layers\.\d+\.adaLN_sa_ln\.")  # in every shard of a sharded ERNIE-Image DiT
 
 
 def _describe_foreign(keys: list[str]) -> str:
     """A guess at what a wrong file holds, to make the error useful."""
     if any(k.startswith(("double_blocks.", "model.diffusion_model.double_blocks.")) for k in keys):
         return "it looks like a Flux model"
+    if any(k.startswith(("model.diffusion_model.", "input_blocks.")) for k in keys):
+        return "it looks like a Stable Diffusion checkpoint"  # before the text encoder: it holds one too
     if any(k.startswith(("encoder.", "decoder.")) for k in keys):
         return "it looks like a VAE"
     if any(".self_attn." in k for k in keys):
         return "it looks like a text encoder or language model"
-    if any(k.startswith(("model.diffusion_model.", "input_blocks.")) for k in keys):
-        return "it looks like a Stable Diffusion checkpoint"
     return f"its first keys are {keys[:3]}"
+
+
+def check_dit_keys(keys: list[str], source: str) -> None:
+    """A clear error unless ``keys`` are those of a whole ERNIE-Image DiT."""
+    present = set(keys)
+    missing = [k for k in REQUIRED_KEYS if k not in present]
+    if not missing:
+        return
+    if any(_BLOCK_KEY.match(k) for k in keys):
+        raise ErnieImageError(
+            f"{source} holds only part of an ERNIE-Image DiT (no {missing[0]}): it looks like one shard of a "
+            "snapshot's transformer/ folder. Put the whole snapshot folder under models/diffusers/ and pick it, "
+            "or use the single file ernie-image-turbo.safetensors."
+        )
+    raise ErnieImageError(
+        f"{source} is not an ERNIE-Image diffusion model ({_describe_foreign(keys)}). "
+        "Pick ernie-image.safetensors or ernie-image-turbo.safetensors (or a snapshot folder)."
+    )
 
 
 def config_from_state_dict(state_dict: dict[str, torch.Tensor], source: str) -> dict:
     """The ``ErnieImageTransformer2DModel`` config that matches these weights, read off their shapes."""
     keys = list(state_dict)
-    if MARKER_KEY not in state_dict:
-        raise ErnieImageError(
-            f"{source} is not an ERNIE-Image diffusion model ({_describe_foreign(keys)}). "
-            "Pick ernie-image.safetensors or ernie-image-turbo.safetensors (or a snapshot folder)."
-        )
+    check_dit_keys(keys, source)
     proj = state_dict["x_embedder.proj.weight"]  # [hidden, in_channels, p, p]
     hidden, in_channels, patch = proj.shape[0], proj.shape[1], proj.shape[2]
     head_dim = state_dict["layers.0.self_attention.norm_q.weight"].shape[0]
@@ -68,6 +84,7 @@ def load_single_file(path: Path, dtype: torch.dtype):
     """An ``ErnieImageTransformer2DModel`` from one safetensors file with diffusers' keys."""
     from diffusers import ErnieImageTransformer2DModel
 
+    check_dit_keys(safetensors_keys(path), str(path))  # before reading: a wrong file may be many gigabytes
     state_dict = {k: v.to(dtype) for k, v in read_safetensors(path).items()}
     config = config_from_state_dict(state_dict, str(path))
     with torch.device("meta"):
@@ -88,7 +105,7 @@ def load_transformer_folder(folder: Path, dtype: torch.dtype):
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ErnieImageError(f"{folder} has no config.json: it is not a diffusers model folder. Download it again.")
-    class_name = json.loads(config_path.read_text()).get("_class_name")
+    class_name = read_json(config_path).get("_class_name")
     if class_name != "ErnieImageTransformer2DModel":
         raise ErnieImageError(
             f"{folder} holds a {class_name}, not an ERNIE-Image transformer. Pick an ERNIE-Image snapshot folder."

@@ -8,13 +8,12 @@ encoder (one ``.safetensors`` with the tokenizer inside) is read by ``ministral_
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from ..errors import ErnieImageError
-from ..safetensors_files import check_safetensors_files
+from ..model_files import check_safetensors_files, read_json
 
 TEXT_ENCODER_CLASSES = ("Mistral3Model", "Mistral3ForConditionalGeneration")
 
@@ -41,7 +40,7 @@ class ErnieTextEncoder:
         config_path = encoder_dir / "config.json"
         architectures = []
         if config_path.is_file():
-            architectures = json.loads(config_path.read_text()).get("architectures") or []
+            architectures = read_json(config_path).get("architectures") or []
         if not set(architectures) & set(TEXT_ENCODER_CLASSES):
             raise ErnieImageError(
                 f"{encoder_dir} holds {architectures or 'no model config'}, not ERNIE-Image's Mistral3 text encoder."

@@ -1,10 +1,12 @@
-"""Reading safetensors files with errors that name the file and say what to do (engine: no ComfyUI here).
+"""Reading model files (safetensors weights, JSON configs) with errors that name the file and say what to do
+(engine: no ComfyUI here).
 
 Only safetensors are ever loaded by the pack: no pickles, no remote code.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -21,14 +23,40 @@ def _unreadable(path: Path, error: Exception) -> ErnieImageError:
     )
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of one safetensors file, or an error that names the file when it cannot be read."""
+def _check_exists(path: Path) -> None:
     if not path.is_file():
         raise ErnieImageError(f"Model file not found: {path}. Put it there or pick another file.")
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of one safetensors file, or an error that names the file when it cannot be read."""
+    _check_exists(path)
     try:
         return load_file(str(path))
     except (SafetensorError, OSError) as e:
         raise _unreadable(path, e) from e
+
+
+def safetensors_keys(path: Path) -> list[str]:
+    """The tensor names of one safetensors file, from its header alone: a wrong file is refused before gigabytes
+    of it are read."""
+    _check_exists(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise _unreadable(path, e) from e
+
+
+def read_json(path: Path) -> dict:
+    """A JSON config file as a dict, or an error that names the file when it is damaged (a truncated download)."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise _unreadable(path, e) from e
+    if not isinstance(config, dict):
+        raise _unreadable(path, ValueError(f"a JSON {type(config).__name__}, not an object"))
+    return config
 
 
 def check_safetensors_files(folder: Path) -> None:
