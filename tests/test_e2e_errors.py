@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from helpers.workflows import text_to_image
 
@@ -69,6 +69,29 @@ def test_snapshot_without_transformer_says_so(comfy_server, tiny_models):
     graph = text_to_image(snapshot=broken.name, prompt="a cat", steps=1)
     message = _execution_error(comfy_server, graph)
     assert "ERNIE-Image-no-transformer has no transformer/ folder" in message
+    _good_prompt_still_runs(comfy_server)
+
+
+def test_text_encoder_of_another_model_is_named_as_the_cause(comfy_server, tiny_models):
+    """A Ministral-layout file of another width (as Flux.2's Mistral text encoder is) loads and encodes; sampling
+    then says that the text encoder is the wrong model, not that the wiring is."""
+    from transformers import Ministral3ForCausalLM
+
+    from tiny_models import _ministral3_config
+
+    source = load_file(tiny_models["text_encoder_file"])
+    wider = Ministral3ForCausalLM(_ministral3_config(source["model.embed_tokens.weight"].shape[0], 48))
+    state = {k: v.contiguous() for k, v in wider.state_dict().items() if k != "lm_head.weight"}
+    save_file({**state, "tekken_model": source["tekken_model"]},
+              str(tiny_models["models_dir"] / "text_encoders" / "mistral_3_small_flux2_bf16.safetensors"))
+    graph = text_to_image(snapshot=SNAPSHOT, prompt="a cat", steps=1, seed=78)
+    graph["te"] = {"class_type": "ErnieImageTextEncoderLoader",
+                   "inputs": {"model_name": "text_encoders/mistral_3_small_flux2_bf16.safetensors"}}
+    for key in ("positive", "negative"):
+        graph[key]["inputs"]["text_encoder"] = ["te", 0]
+    message = _execution_error(comfy_server, graph)
+    assert "This conditioning has 48-wide embeddings; ERNIE-Image needs 32-wide ones" in message
+    assert "the text encoder that made it is another model. Load ministral-3-3b.safetensors" in message
     _good_prompt_still_runs(comfy_server)
 
 

@@ -124,10 +124,13 @@ class ErnieImageModel(comfy.model_base.BaseModel):
         cross_attn = kwargs.get("cross_attn")
         if cross_attn is None:
             raise ErnieImageError("ERNIE-Image needs text conditioning: connect an ErnieImageTextEncode output.")
-        if cross_attn.shape[-1] != self.diffusion_model.transformer.config.text_in_dim:
+        needed = self.diffusion_model.transformer.config.text_in_dim
+        if cross_attn.shape[-1] != needed:
             raise ErnieImageError(
-                f"This conditioning has {cross_attn.shape[-1]}-wide embeddings; ERNIE-Image needs "
-                f"{self.diffusion_model.transformer.config.text_in_dim}. Encode the prompt with ErnieImageTextEncode."
+                f"This conditioning has {cross_attn.shape[-1]}-wide embeddings; ERNIE-Image needs {needed}-wide ones "
+                "from its own text encoder (Ministral 3 3B), so the text encoder that made it is another model. "
+                "Load ministral-3-3b.safetensors or an ERNIE-Image snapshot with ErnieImageTextEncoderLoader (or "
+                "ErnieImageLoader) and encode with ErnieImageTextEncode."
             )
         lengths = [cross_attn.shape[1]] * cross_attn.shape[0]
         return {"c_crossattn": ErnieTextCond(cross_attn), "text_lens": ErnieTextLengths(lengths)}
