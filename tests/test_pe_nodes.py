@@ -95,6 +95,14 @@ def test_no_pe_connected_is_a_clear_error(comfy_paths, user_dir):
         ErnieImagePromptEnhance.execute(**enhance_inputs(["a cat"]))
 
 
+def test_a_size_not_multiple_of_16_is_a_clear_error(comfy_paths, user_dir):
+    """The frontend steps by 16, but the API and linked INT inputs pass any value through."""
+    (pe,) = ErnieImagePELoader.execute(SNAPSHOT_PE, "cpu", "float32").result
+    with pytest.raises(EnhancerError, match="width and height must be multiples of 16 \\(got 1000×777\\)"):
+        ErnieImagePromptEnhance.execute(**enhance_inputs(["a cat"], pe, width=1000, height=777))
+    assert not pe.loaded
+
+
 def test_the_remote_node_checks_its_inputs_without_contacting_anything():
     (pe,) = ErnieImagePERemote.execute("http://127.0.0.1:9/v1", "", KEY_ENV, 5.0, 0).result
     assert pe.base_url == "http://127.0.0.1:9" and pe.api_key_env == KEY_ENV

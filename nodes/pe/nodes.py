@@ -137,6 +137,10 @@ class ErnieImagePromptEnhance(io.ComfyNode):
         if not enabled[0]:
             texts = [spec.prompt for spec in specs]
         else:
+            odd = [f"{spec.width}×{spec.height}" for spec in specs if spec.width % 16 or spec.height % 16]
+            if odd:
+                raise EnhancerError(f"width and height must be multiples of 16 (got {', '.join(odd)}): ERNIE-Image "
+                                    "makes images of such sizes, e.g. 1024×1024, 848×1264 or 1264×848.")
             backend = pe[0] if pe else None
             if backend is None:
                 raise EnhancerError("No prompt enhancer is connected (or the snapshot has no pe/ folder): connect "
