@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .errors import ErnieImageError
-from .model_files import read_safetensors
+from .model_files import read_safetensors, safetensors_keys
 
 HEAD_DIM = 128  # every Ministral 3 model has 128-wide attention heads
 _PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "model.lm_head.": "lm_head."}
@@ -37,10 +37,13 @@ def read_ministral_file(
     """
     from transformers import Ministral3ForCausalLM
 
-    state = read_safetensors(path)
-    tekken = state.pop("tekken_model", None)
-    if tekken is None:
+    keys = safetensors_keys(path)  # a wrong file is refused before it is read
+    if not any(k.endswith("embed_tokens.weight") for k in keys):
+        raise error(f"{path.name} is not a Ministral 3 {what} (it has no token embeddings): {instead}")
+    if "tekken_model" not in keys:
         raise error(f"{path.name} carries no tokenizer (no 'tekken_model' entry, as in ComfyUI's repack): {instead}")
+    state = read_safetensors(path)
+    tekken = state.pop("tekken_model")
     for old, new in _PREFIXES.items():
         state = {new + k[len(old):] if k.startswith(old) else k: v for k, v in state.items()}
     if any(not v.is_floating_point() or v.element_size() < 2 for v in state.values()):

@@ -45,6 +45,12 @@ def test_single_file_without_tokenizer_says_what_to_load(tiny_models, tmp_path):
         ErnieTextEncoder.from_single_file(broken, torch.float32)
 
 
+def test_a_file_of_another_model_is_named_as_such(tiny_models):
+    with pytest.raises(ErnieImageError, match=r"ernie-image-turbo-tiny\.safetensors is not a Ministral 3 text "
+                                              r"encoder \(it has no token embeddings\)"):
+        ErnieTextEncoder.from_single_file(tiny_models["single_file"], torch.float32)  # the DiT
+
+
 def test_loader_lists_text_encoder_files_but_not_prompt_enhancers(comfy_paths):
     from comfyui_ernie_image.nodes.text.nodes import ErnieImageTextEncoderLoader
 
