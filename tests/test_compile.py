@@ -83,6 +83,21 @@ def test_missing_triton_is_named(monkeypatch):
     assert compile_problem(torch.device("cpu")) is None
 
 
+def test_missing_c_compiler_for_triton_is_named_and_the_default_stays_eager(monkeypatch):
+    import torch.utils._triton
+
+    from comfyui_ernie_image.nodes.accel import compile as compile_module
+
+    monkeypatch.setattr(torch.utils._triton, "has_triton_package", lambda: True)
+    monkeypatch.setattr(compile_module.sys, "platform", "linux")
+    monkeypatch.setattr(compile_module.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CC", raising=False)
+    assert "torch.compile needs a C compiler for Triton and none was found" in compile_problem(torch.device("cuda"))
+    assert not compiles_by_default(torch.device("cuda", 0), capability=(9, 0))
+    monkeypatch.setenv("CC", "cc")
+    assert compile_problem(torch.device("cuda")) is None
+
+
 def test_default_compile_rule(monkeypatch):
     import torch.utils._triton
 

@@ -11,6 +11,9 @@ single pass, one for batched CFG). Installing sets the blocks' ``_compiled_call_
 from __future__ import annotations
 
 import functools
+import os
+import shutil
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -36,6 +39,12 @@ def compile_problem(device: torch.device) -> str | None:
         if not has_triton_package():
             return (f"torch.compile needs Triton on {device.type.upper()} GPUs and it is not installed "
                     "(on Windows: pip install triton-windows). Install it, or bypass ErnieImageCompile.")
+        if sys.platform.startswith("linux") and not (os.environ.get("CC") or shutil.which("gcc")
+                                                     or shutil.which("clang")):
+            # Triton builds its kernel launchers with the C compiler it finds this way (triton-windows brings its
+            # own); without one, the first compiled call fails deep inside inductor.
+            return ("torch.compile needs a C compiler for Triton and none was found (no gcc or clang on PATH, "
+                    "CC not set). Install gcc (e.g. apt install gcc), or bypass ErnieImageCompile.")
     return None
 
 
