@@ -87,6 +87,13 @@ def test_base_url_must_be_a_url_and_may_end_in_v1(fault):
     assert fault.received[0].path == "/v1/chat/completions"
 
 
+@pytest.mark.parametrize("url", ["http://localhost:99999", "http://:8000", "http://pe server:8000"])
+def test_an_invalid_base_url_is_refused_when_the_handle_is_made(url):
+    with pytest.raises(EnhancerError, match=rf"base_url '{url}' is not a valid URL \(.*\): write the server's host "
+                                            r"and a port from 1 to 65535, e.g. http://127.0.0.1:8000"):
+        remote(url)
+
+
 # --- faults -------------------------------------------------------------------------------------------------------
 
 
@@ -108,6 +115,18 @@ def test_fault_injecting_5xx_retries_give_up_with_the_status(fault):
     with pytest.raises(EnhancerError, match=r"answered HTTP 503, after 3 attempt\(s\)"):
         remote(fault.url, model="pe", max_retries=2).enhance(PROMPTS[:1], SAMPLED)
     assert len(fault.received) == 3
+
+
+def test_fault_injecting_a_connection_dropped_mid_answer_is_retried(fault):
+    dropped = Reply(body=chat_body("an answer cut by a crash"), cut=12)
+    fault.script = [dropped, chat_reply("the answer after a retry")]
+    pe = remote(fault.url, model="pe", max_retries=1)
+    assert pe.enhance(PROMPTS[:1], SAMPLED)[0].text == "the answer after a retry"
+    fault.default = dropped
+    with pytest.raises(EnhancerError, match=rf"{fault.url}/v1/chat/completions dropped the connection mid-answer, "
+                                            r"after 2 attempt\(s\)"):
+        pe.enhance(PROMPTS[:1], SAMPLED)
+    assert len(fault.received) == 4
 
 
 def test_fault_injecting_a_hang_fails_after_timeout_s(fault):

@@ -47,6 +47,15 @@ def _retry_after(response: requests.Response) -> float | None:
     return min(max(seconds, 0.0), _RETRY_AFTER_CAP_S)
 
 
+def _connection_failure(url: str, error: requests.RequestException) -> str:
+    # requests reports a connection dropped after the headers (a server crash, a proxy reset) as a
+    # ChunkedEncodingError, not a ConnectionError; it is as transient as one.
+    if isinstance(error, requests.exceptions.ChunkedEncodingError):
+        return f"{url} dropped the connection mid-answer"
+    reason = "connection refused" if "refused" in str(error).lower() else "connection failed"
+    return f"cannot reach {url} ({reason})"
+
+
 class RemotePromptEnhancer:
     """A PE served over HTTP. ``model`` empty: the first model the server lists at ``/v1/models``."""
 
@@ -63,6 +72,14 @@ class RemotePromptEnhancer:
         base_url = base_url.strip().rstrip("/")
         if not re.match(r"https?://", base_url):
             raise EnhancerError(f"base_url must start with http:// or https://, got {base_url!r}")
+        try:
+            # requests parses the URL only when it sends, and then raises its own InvalidURL: check it here instead
+            requests.Request("GET", base_url).prepare()
+        except requests.exceptions.InvalidURL as error:
+            raise EnhancerError(
+                f"base_url {base_url!r} is not a valid URL ({error}): write the server's host and a port from 1 to "
+                "65535, e.g. http://127.0.0.1:8000"
+            ) from error
         api_key_env = api_key_env.strip()
         if api_key_env and not _ENV_NAME.fullmatch(api_key_env):
             raise EnhancerError(
@@ -161,9 +178,8 @@ class RemotePromptEnhancer:
                 )
             except requests.Timeout:
                 failure = f"no answer from {url} within timeout_s={self.timeout_s:g} s"
-            except requests.ConnectionError as error:
-                reason = "connection refused" if "refused" in str(error).lower() else "connection failed"
-                failure = f"cannot reach {url} ({reason})"
+            except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as error:
+                failure = _connection_failure(url, error)
             else:
                 if response.ok:
                     return self._decode(response, url)

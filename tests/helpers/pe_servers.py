@@ -22,12 +22,14 @@ from comfy_headless import free_port, wait_until_serving
 @dataclass
 class Reply:
     """One scripted answer: a status, a body (dict → JSON, str/bytes as is, or a function of the request's JSON
-    body returning a dict), headers, and a delay before it."""
+    body returning a dict), headers, and a delay before it. ``cut``: only the first ``cut`` bytes of the body are
+    sent (the headers announce all of it), then the connection closes, as when a server crashes mid-answer."""
 
     status: int = 200
     body: dict | str | bytes | Callable[[dict], dict] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
     delay: float = 0.0
+    cut: int | None = None
 
 
 def chat_body(content: str | None, finish_reason: str = "stop") -> dict:
@@ -84,7 +86,7 @@ class FaultServer:
                         self.send_header(name, value)
                     self.send_header("Content-Length", str(len(body)))
                     self.end_headers()
-                    self.wfile.write(body)
+                    self.wfile.write(body[:reply.cut])
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up (timeout tests)
 
