@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 
 import pytest
 import requests
 
 from comfy_headless import free_port
+from comfyui_ernie_image.nodes.pe import remote as remote_module
 from comfyui_ernie_image.nodes.pe.cache import ResultCache, enhance_cached
 from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, SamplingParams, chat_messages, user_message
@@ -80,6 +82,24 @@ def test_connection_refused_names_the_url():
         remote(url, model="pe", max_retries=1).enhance(PROMPTS[:1], SAMPLED)
 
 
+def test_a_connection_never_accepted_reports_the_connect_timeout_used(monkeypatch):
+    monkeypatch.setattr(remote_module, "_CONNECT_TIMEOUT_S", 0.5)  # the real 10 s, shortened
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        # A listener that never accepts, its backlog full (an overloaded server): new connections wait.
+        fillers = [socket.socket() for _ in range(4)]
+        for filler in fillers:
+            filler.setblocking(False)
+            filler.connect_ex(listener.getsockname())
+        time.sleep(0.2)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        with pytest.raises(EnhancerError, match=rf"no connection to {url}/v1/chat/completions within 0.5 s, after 1 "):
+            remote(url, model="pe", timeout_s=30, max_retries=0).enhance(PROMPTS[:1], SAMPLED)
+        for filler in fillers:
+            filler.close()
+
+
 def test_base_url_must_be_a_url_and_may_end_in_v1(fault):
     with pytest.raises(EnhancerError, match="base_url must start with http:// or https://, got 'localhost:8000'"):
         remote("localhost:8000")
@@ -134,6 +154,15 @@ def test_fault_injecting_a_hang_fails_after_timeout_s(fault):
     started = time.monotonic()
     with pytest.raises(EnhancerError, match=rf"no answer from {fault.url}/v1/chat/completions within timeout_s=1 s, "
                                             r"after 1 attempt\(s\)"):
+        remote(fault.url, model="pe", timeout_s=1, max_retries=0).enhance(PROMPTS[:1], SAMPLED)
+    assert time.monotonic() - started < 3
+
+
+def test_fault_injecting_a_stall_mid_answer_is_reported_as_a_timeout(fault):
+    fault.script = [Reply(body=chat_body("an answer that stops"), cut=12, stall=5)]
+    started = time.monotonic()
+    with pytest.raises(EnhancerError, match=rf"{fault.url}/v1/chat/completions timed out mid-answer \(no data for "
+                                            r"timeout_s=1 s\), after 1 attempt\(s\)"):
         remote(fault.url, model="pe", timeout_s=1, max_retries=0).enhance(PROMPTS[:1], SAMPLED)
     assert time.monotonic() - started < 3
 

@@ -18,10 +18,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
+from urllib3.exceptions import ReadTimeoutError
 
 from .protocol import Completion, EnhancerError, GenerationStopped, PromptSpec, SamplingParams
 from .runtime import Runtime
 
+_CONNECT_TIMEOUT_S = 10.0  # or timeout_s when shorter: a server that is up accepts at once; timeout_s is for answers
 _BACKOFF_BASE_S = 0.5
 _BACKOFF_CAP_S = 30.0
 _RETRY_AFTER_CAP_S = 120.0
@@ -47,7 +49,10 @@ def _retry_after(response: requests.Response) -> float | None:
     return min(max(seconds, 0.0), _RETRY_AFTER_CAP_S)
 
 
-def _connection_failure(url: str, error: requests.RequestException) -> str:
+def _connection_failure(url: str, error: requests.RequestException, timeout_s: float) -> str:
+    # A body that stalls after the headers comes as a ConnectionError wrapping urllib3's read timeout.
+    if error.args and isinstance(error.args[0], ReadTimeoutError):
+        return f"{url} timed out mid-answer (no data for timeout_s={timeout_s:g} s)"
     # requests reports a connection dropped after the headers (a server crash, a proxy reset) as a
     # ChunkedEncodingError, not a ConnectionError; it is as transient as one.
     if isinstance(error, requests.exceptions.ChunkedEncodingError):
@@ -172,14 +177,16 @@ class RemotePromptEnhancer:
                 self.runtime.on_stopped()
                 raise GenerationStopped("the request was interrupted")
             wait = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**attempt) * random.uniform(0.5, 1.0)
+            connect_s = min(_CONNECT_TIMEOUT_S, self.timeout_s)
             try:
-                response = requests.request(
-                    method, url, headers=self._headers(), timeout=(min(10.0, self.timeout_s), self.timeout_s), **kwargs
-                )
+                response = requests.request(method, url, headers=self._headers(), timeout=(connect_s, self.timeout_s),
+                                            **kwargs)
+            except requests.ConnectTimeout:
+                failure = f"no connection to {url} within {connect_s:g} s"
             except requests.Timeout:
                 failure = f"no answer from {url} within timeout_s={self.timeout_s:g} s"
             except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as error:
-                failure = _connection_failure(url, error)
+                failure = _connection_failure(url, error, self.timeout_s)
             else:
                 if response.ok:
                     return self._decode(response, url)

@@ -23,13 +23,15 @@ from comfy_headless import free_port, wait_until_serving
 class Reply:
     """One scripted answer: a status, a body (dict → JSON, str/bytes as is, or a function of the request's JSON
     body returning a dict), headers, and a delay before it. ``cut``: only the first ``cut`` bytes of the body are
-    sent (the headers announce all of it), then the connection closes, as when a server crashes mid-answer."""
+    sent (the headers announce all of it), then, after ``stall`` seconds, the connection closes, as when a server
+    crashes or hangs mid-answer."""
 
     status: int = 200
     body: dict | str | bytes | Callable[[dict], dict] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
     delay: float = 0.0
     cut: int | None = None
+    stall: float = 0.0
 
 
 def chat_body(content: str | None, finish_reason: str = "stop") -> dict:
@@ -87,6 +89,8 @@ class FaultServer:
                     self.send_header("Content-Length", str(len(body)))
                     self.end_headers()
                     self.wfile.write(body[:reply.cut])
+                    self.wfile.flush()
+                    time.sleep(reply.stall)
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up (timeout tests)
 
