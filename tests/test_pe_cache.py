@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from comfyui_ernie_image.nodes.pe import cache as cache_module
 from comfyui_ernie_image.nodes.pe.cache import ResultCache, cache_key, enhance_cached
 from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.protocol import Completion, EnhancerError, PromptSpec, SamplingParams
@@ -96,6 +97,28 @@ def test_corruption_while_open_is_survived(tmp_path):
     assert list(tmp_path.glob("pe.sqlite3.corrupt-*"))
     cache.put("c", Completion("C", truncated=True))
     assert ResultCache(path).get("c") == Completion("C", truncated=True)
+
+
+def test_a_file_locked_by_another_process_is_kept_not_set_aside(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(cache_module, "_BUSY_TIMEOUT_S", 0.1)  # the real 5 s wait for the lock, shortened
+    path = tmp_path / "pe.sqlite3"
+    ResultCache(path).put("earlier", Completion("an earlier result"))
+    other = sqlite3.connect(path)  # another ComfyUI sharing the user directory, in the middle of a write
+    other.execute("BEGIN IMMEDIATE")
+    cache = ResultCache(path)
+    with caplog.at_level(logging.WARNING):
+        cache.put("a", Completion("A"))
+        cache.put("b", Completion("B"))
+    other.rollback()
+    other.close()
+    assert cache.get("a") == Completion("A")  # from memory
+    assert not list(tmp_path.glob("pe.sqlite3.corrupt-*"))
+    assert ResultCache(path).get("earlier") == Completion("an earlier result")
+    assert [r.getMessage() for r in caplog.records if "is in use or not writable" in r.getMessage()] == [
+        f"ERNIE-Image PE cache: {path} is in use or not writable (database is locked); results it cannot take stay "
+        "in memory (said once)"]
+    cache.put("c", Completion("C"))  # the lock is gone: the file takes results again
+    assert ResultCache(path).get("c") == Completion("C")
 
 
 def test_an_unusable_location_caches_in_memory(tmp_path, caplog):

@@ -1,5 +1,6 @@
 """The result cache: enhanced prompts in memory and in an SQLite file, keyed by the backend's identity, the prompt, the
-image size, the sampling parameters and the seed. Bounded; a corrupt file is set aside and rebuilt, never a crash."""
+image size, the sampling parameters and the seed. Bounded; a corrupt file is set aside and rebuilt, a busy one (locked
+by another process) is passed over for the moment; never a crash."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from .protocol import Completion, EnhancerError, PromptEnhancer, PromptSpec, Sam
 
 _SCHEMA = "CREATE TABLE IF NOT EXISTS results (key TEXT PRIMARY KEY, text TEXT NOT NULL, truncated INTEGER NOT NULL, "
 _SCHEMA += "used REAL NOT NULL)"
+_BUSY_TIMEOUT_S = 5.0  # how long a statement waits for another process's lock on the file
 
 
 def cache_key(identity: str, spec: PromptSpec, params: SamplingParams) -> str:
@@ -34,6 +36,7 @@ class ResultCache:
         self._memory: OrderedDict[str, Completion] = OrderedDict()
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
+        self._warned_busy = False
 
     def get(self, key: str) -> Completion | None:
         with self._lock:
@@ -73,7 +76,12 @@ class ResultCache:
                     return None
                 with db:
                     return db.execute(sql, args).fetchone()
-            except sqlite3.DatabaseError as error:
+            except sqlite3.OperationalError as error:
+                # Locked by another ComfyUI sharing the user directory, read-only, disk full: the file and its results
+                # are sound, only this statement cannot use it now (memory keeps the result).
+                self._skip(error)
+                return None
+            except sqlite3.DatabaseError as error:  # not a database, malformed: corrupt
                 self._set_aside(error, final=attempt == 1)
         return None
 
@@ -85,9 +93,15 @@ class ResultCache:
                 logging.warning("ERNIE-Image PE cache: cannot use %s (%s); caching in memory only", self.path, error)
                 self.path = None
                 return None
-            self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=5.0)
+            self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=_BUSY_TIMEOUT_S)
             self._db.execute(_SCHEMA)
         return self._db
+
+    def _skip(self, error: sqlite3.OperationalError) -> None:
+        if not self._warned_busy:
+            self._warned_busy = True
+            logging.warning("ERNIE-Image PE cache: %s is in use or not writable (%s); results it cannot take stay in "
+                            "memory (said once)", self.path, error)
 
     def _set_aside(self, error: Exception, final: bool) -> None:
         """Move the bad file out of the way (kept for inspection) so that the next use starts a new one."""
