@@ -55,6 +55,17 @@ def test_a_hit_skips_the_pe_and_takes_milliseconds(local_pe, tmp_path):
     assert restarted.calls == []
 
 
+def test_a_cut_text_warns_each_time_it_is_returned_a_hit_too(local_pe, tmp_path, caplog):
+    pe, cache = Recording(local_pe), ResultCache(tmp_path / "pe.sqlite3")
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            (completion,) = enhance_cached(pe, [PromptSpec("a cat")], SamplingParams(max_new_tokens=3), cache)
+        assert completion.truncated
+        assert "the enhanced prompt was cut at max_new_tokens=3; raise it for the full text" in caplog.text
+    assert pe.calls == [["a cat"]]  # the second time was a hit
+
+
 @pytest.mark.parametrize(
     "change",
     [

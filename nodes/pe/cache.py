@@ -134,9 +134,10 @@ def enhance_cached(
     for key, completion in zip(missing, fresh, strict=True):
         if not completion.text:
             raise EnhancerError(f"the prompt enhancer returned no text for {spec_of[key].prompt[:60]!r}")
+        cache.put(key, completion)
+        found[key] = completion
+    for completion in found.values():  # a cut text from the cache is as cut as a fresh one
         if completion.truncated:
             logging.warning("ERNIE-Image PE: the enhanced prompt was cut at max_new_tokens=%d; raise it for the "
                             "full text", params.max_new_tokens)
-        cache.put(key, completion)
-        found[key] = completion
     return [found[key] for key in keys]
