@@ -29,9 +29,9 @@ class Recording:
     def identity(self) -> str:
         return self.backend.identity
 
-    def enhance(self, specs, params):
+    def enhance(self, specs, params, on_result=None):
         self.calls.append([s.prompt for s in specs])
-        return self.backend.enhance(specs, params)
+        return self.backend.enhance(specs, params, on_result)
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +158,11 @@ def test_an_empty_text_is_an_error_not_a_cached_result(tmp_path):
     class Silent:
         identity = "silent"
 
-        def enhance(self, specs, params):
-            return [Completion("") for _ in specs]
+        def enhance(self, specs, params, on_result):
+            completions = [Completion("") for _ in specs]
+            for index, completion in enumerate(completions):
+                on_result(index, completion)
+            return completions
 
     cache = ResultCache(tmp_path / "pe.sqlite3")
     with pytest.raises(EnhancerError, match="the prompt enhancer returned no text for 'a cat'"):

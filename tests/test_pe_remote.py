@@ -237,6 +237,22 @@ def test_fault_injecting_a_cut_answer_is_a_warning(fault, caplog):
     assert "the enhanced prompt was cut at max_new_tokens=20; raise it for the full text" in caplog.text
 
 
+def test_fault_injecting_one_failed_prompt_keeps_the_others_cached(fault, tmp_path):
+    def answer(request: dict) -> dict:
+        prompt = json.loads(request["messages"][0]["content"])["prompt"]
+        return chat_body("" if prompt == "fails" else f"{prompt}, enhanced")
+
+    fault.default = Reply(body=answer, delay=0.3)
+    cache, pe = ResultCache(tmp_path / "pe.sqlite3"), remote(fault.url, model="pe")
+    specs = [PromptSpec(prompt) for prompt in ("fails", "a cat", "a dog", "a fox")]
+    with pytest.raises(EnhancerError, match="returned an empty enhanced prompt"):
+        enhance_cached(pe, specs, SAMPLED, cache)
+    sent = len(fault.received)
+    assert [c.text for c in enhance_cached(pe, specs[1:], SAMPLED, cache)] == [
+        "a cat, enhanced", "a dog, enhanced", "a fox, enhanced"]
+    assert len(fault.received) == sent  # all three from the cache: the rerun paid for none
+
+
 def test_fault_injecting_a_list_runs_concurrently_bounded_and_in_order(fault):
     def echo(request: dict) -> dict:
         return chat_body(json.loads(request["messages"][0]["content"])["prompt"].upper())

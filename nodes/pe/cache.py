@@ -130,12 +130,16 @@ def enhance_cached(
     found = {key: cache.get(key) for key in dict.fromkeys(keys)}
     missing = [key for key, completion in found.items() if completion is None]
     spec_of = dict(zip(keys, specs, strict=True))
-    fresh = enhancer.enhance([spec_of[key] for key in missing], params) if missing else []
-    for key, completion in zip(missing, fresh, strict=True):
+
+    def keep(index: int, completion: Completion) -> None:
+        # Each text is stored as it comes: a prompt of the batch that fails then loses none of the others.
+        key = missing[index]
         if not completion.text:
             raise EnhancerError(f"the prompt enhancer returned no text for {spec_of[key].prompt[:60]!r}")
         cache.put(key, completion)
-        found[key] = completion
+
+    fresh = enhancer.enhance([spec_of[key] for key in missing], params, keep) if missing else []
+    found.update(zip(missing, fresh, strict=True))
     for completion in found.values():  # a cut text from the cache is as cut as a fresh one
         if completion.truncated:
             logging.warning("ERNIE-Image PE: the enhanced prompt was cut at max_new_tokens=%d; raise it for the "

@@ -15,7 +15,7 @@ import torch
 
 from .decode import StaticDecoder, generate_plain, kv_cache_bytes
 from .fused import fuse_mlp_projections
-from .protocol import Completion, GenerationStopped, PromptSpec, SamplingParams
+from .protocol import Completion, GenerationStopped, PromptSpec, ResultCallback, SamplingParams
 from .runtime import Runtime, default_runtime
 from .weights import PESource, path_source, snapshot_source
 
@@ -94,8 +94,11 @@ class LocalPromptEnhancer:
         if self._decoder is not None:
             self._decoder.release()
 
-    def enhance(self, specs: Sequence[PromptSpec], params: SamplingParams) -> list[Completion]:
-        """Enhance all prompts as one batch; raises the host's interrupt when stopped."""
+    def enhance(
+        self, specs: Sequence[PromptSpec], params: SamplingParams, on_result: ResultCallback | None = None
+    ) -> list[Completion]:
+        """Enhance all prompts as one batch (``on_result`` gets every text at the end); raises the host's interrupt
+        when stopped."""
         if not specs:
             return []
         self._ensure_loaded()
@@ -109,7 +112,11 @@ class LocalPromptEnhancer:
         except GenerationStopped:
             self.runtime.on_stopped()
             raise
-        return [self._completion(row, params) for row in tokens.cpu().tolist()]
+        completions = [self._completion(row, params) for row in tokens.cpu().tolist()]
+        if on_result is not None:
+            for index, completion in enumerate(completions):
+                on_result(index, completion)
+        return completions
 
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         args = (input_ids, attention_mask, params, self._eos_ids(), self._pad_id(), self.runtime.should_stop,

@@ -8,7 +8,7 @@ serving recipe). Plain Python: no torch, no ComfyUI.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -78,12 +78,19 @@ class Completion:
     truncated: bool = False
 
 
+# ``on_result(i, completion)``: prompt ``i``'s text, handed over as soon as it is ready.
+ResultCallback = Callable[[int, Completion], None]
+
+
 class PromptEnhancer(Protocol):
     """A backend: local weights or a remote server. ``identity`` names what produces the text (for the cache)."""
 
     @property
     def identity(self) -> str: ...
 
-    def enhance(self, specs: Sequence[PromptSpec], params: SamplingParams) -> list[Completion]:
-        """Enhance every prompt, in order."""
+    def enhance(
+        self, specs: Sequence[PromptSpec], params: SamplingParams, on_result: ResultCallback | None = None
+    ) -> list[Completion]:
+        """Enhance every prompt, in order. ``on_result`` gets each text as soon as it is ready, before an error for
+        another prompt of the batch is raised, so that the finished work can be kept."""
         ...

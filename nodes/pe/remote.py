@@ -15,12 +15,12 @@ import re
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import requests
 from urllib3.exceptions import ReadTimeoutError
 
-from .protocol import Completion, EnhancerError, GenerationStopped, PromptSpec, SamplingParams
+from .protocol import Completion, EnhancerError, GenerationStopped, PromptSpec, ResultCallback, SamplingParams
 from .runtime import Runtime
 
 _CONNECT_TIMEOUT_S = 10.0  # or timeout_s when shorter: a server that is up accepts at once; timeout_s is for answers
@@ -123,16 +123,31 @@ class RemotePromptEnhancer:
             raise EnhancerError(f"{url} lists no models: give the model name in 'model'")
         return ids[0]
 
-    def enhance(self, specs: Sequence[PromptSpec], params: SamplingParams) -> list[Completion]:
-        """One request per prompt, at most ``max_concurrency`` at a time, answers in order."""
+    def enhance(
+        self, specs: Sequence[PromptSpec], params: SamplingParams, on_result: ResultCallback | None = None
+    ) -> list[Completion]:
+        """One request per prompt, at most ``max_concurrency`` at a time, answers in order; ``on_result`` gets each
+        text as its answer arrives."""
         model = self.resolved_model()
+
+        def one(index: int) -> Completion:
+            completion = self._chat(specs[index], params, model)
+            if on_result is not None:
+                on_result(index, completion)
+            return completion
+
         if len(specs) <= 1:
-            return [self._chat(spec, params, model) for spec in specs]
+            return [one(index) for index in range(len(specs))]
         pool = ThreadPoolExecutor(min(len(specs), self.max_concurrency), thread_name_prefix="ernie-pe")
-        try:
-            return list(pool.map(lambda spec: self._chat(spec, params, model), specs))
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+        futures = [pool.submit(one, index) for index in range(len(specs))]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        # After a failure, the prompts not sent yet are dropped; those in flight finish first, so that their texts
+        # reach on_result (the cache) before the error is raised and a rerun pays only for what failed.
+        pool.shutdown(wait=True, cancel_futures=True)
+        for future in futures:
+            if not future.cancelled() and future.exception() is not None:
+                raise future.exception()
+        return [future.result() for future in futures]
 
     def _chat(self, spec: PromptSpec, params: SamplingParams, model: str) -> Completion:
         url = f"{self.base_url}/v1/chat/completions"
@@ -176,7 +191,7 @@ class RemotePromptEnhancer:
             if self.runtime.should_stop():
                 self.runtime.on_stopped()
                 raise GenerationStopped("the request was interrupted")
-            wait = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**attempt) * random.uniform(0.5, 1.0)
+            pause = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**attempt) * random.uniform(0.5, 1.0)
             connect_s = min(_CONNECT_TIMEOUT_S, self.timeout_s)
             try:
                 response = requests.request(method, url, headers=self._headers(), timeout=(connect_s, self.timeout_s),
@@ -193,9 +208,9 @@ class RemotePromptEnhancer:
                 if not _retryable(response.status_code):
                     raise EnhancerError(self._refusal(response, url))
                 failure = f"{url} answered HTTP {response.status_code}"
-                wait = _retry_after(response) or wait
+                pause = _retry_after(response) or pause
             if attempt + 1 < attempts:
-                self._sleep(wait)
+                self._sleep(pause)
         raise EnhancerError(
             f"{failure}, after {attempts} attempt(s): check that the server is running and that base_url is right"
         )
