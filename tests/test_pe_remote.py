@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import threading
 import time
 
+import comfy.model_management as mm
 import pytest
 import requests
 
 from comfy_headless import free_port
 from comfyui_ernie_image.nodes.pe import remote as remote_module
 from comfyui_ernie_image.nodes.pe.cache import ResultCache, enhance_cached
+from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
 from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, SamplingParams, chat_messages, user_message
 from comfyui_ernie_image.nodes.pe.remote import RemotePromptEnhancer
@@ -251,6 +254,20 @@ def test_fault_injecting_one_failed_prompt_keeps_the_others_cached(fault, tmp_pa
     assert [c.text for c in enhance_cached(pe, specs[1:], SAMPLED, cache)] == [
         "a cat, enhanced", "a dog, enhanced", "a fox, enhanced"]
     assert len(fault.received) == sent  # all three from the cache: the rerun paid for none
+
+
+def test_fault_injecting_a_cancel_stops_every_worker_of_a_list(fault):
+    fault.default = chat_reply("a slow answer", delay=1.0)
+    pe = RemotePromptEnhancer(fault.url, model="pe", max_retries=0, max_concurrency=4, runtime=ComfyRuntime())
+    threading.Timer(0.5, mm.interrupt_current_processing, (True,)).start()  # the user clicks Cancel
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            pe.enhance([PromptSpec(f"prompt {i}") for i in range(12)], SAMPLED)
+        assert not mm.processing_interrupted()  # raised once, ComfyUI's way
+        time.sleep(1.5)  # for anything still to go out
+        assert len(fault.received) == 4  # the first four, sent before the Cancel; none after it
+    finally:
+        mm.interrupt_current_processing(False)
 
 
 def test_fault_injecting_a_list_runs_concurrently_bounded_and_in_order(fault):

@@ -8,13 +8,14 @@ jitter; other 4xx fail at once. Answers are validated. The API key is read from 
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import os
 import random
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import requests
@@ -114,7 +115,8 @@ class RemotePromptEnhancer:
 
     def _discover_model(self) -> str:
         url = f"{self.base_url}/v1/models"
-        data = self._request("GET", url)
+        with self._host_stop():
+            data = self._request("GET", url, threading.Event())
         try:
             ids = [entry["id"] for entry in data["data"]]
         except (KeyError, TypeError) as error:
@@ -129,27 +131,43 @@ class RemotePromptEnhancer:
         """One request per prompt, at most ``max_concurrency`` at a time, answers in order; ``on_result`` gets each
         text as its answer arrives."""
         model = self.resolved_model()
+        # This call's stop: set by the first of its requests to see a stop request, so that none starts after it
+        # (ComfyUI's flag is cleared once its interrupt is raised, and the other workers would not see it any more).
+        stop = threading.Event()
 
         def one(index: int) -> Completion:
-            completion = self._chat(specs[index], params, model)
+            completion = self._chat(specs[index], params, model, stop)
             if on_result is not None:
                 on_result(index, completion)
             return completion
 
-        if len(specs) <= 1:
-            return [one(index) for index in range(len(specs))]
-        pool = ThreadPoolExecutor(min(len(specs), self.max_concurrency), thread_name_prefix="ernie-pe")
-        futures = [pool.submit(one, index) for index in range(len(specs))]
-        wait(futures, return_when=FIRST_EXCEPTION)
-        # After a failure, the prompts not sent yet are dropped; those in flight finish first, so that their texts
-        # reach on_result (the cache) before the error is raised and a rerun pays only for what failed.
-        pool.shutdown(wait=True, cancel_futures=True)
-        for future in futures:
-            if not future.cancelled() and future.exception() is not None:
-                raise future.exception()
-        return [future.result() for future in futures]
+        with self._host_stop():
+            if len(specs) <= 1:
+                return [one(index) for index in range(len(specs))]
+            pool = ThreadPoolExecutor(min(len(specs), self.max_concurrency), thread_name_prefix="ernie-pe")
+            futures = [pool.submit(one, index) for index in range(len(specs))]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            # The prompts not sent yet are dropped. After a stop, the answers in flight are not waited for; after a
+            # failure they are, so that their texts reach on_result (the cache) before the error is raised and a
+            # rerun pays only for what failed.
+            pool.shutdown(wait=not stop.is_set(), cancel_futures=True)
+            if stop.is_set():
+                raise GenerationStopped("the requests were interrupted")
+            for future in futures:
+                if not future.cancelled() and future.exception() is not None:
+                    raise future.exception()
+            return [future.result() for future in futures]
 
-    def _chat(self, spec: PromptSpec, params: SamplingParams, model: str) -> Completion:
+    @contextlib.contextmanager
+    def _host_stop(self) -> Iterator[None]:
+        """A stop seen by a request (in any worker) becomes the host's interrupt, raised once, in the calling thread."""
+        try:
+            yield
+        except GenerationStopped:
+            self.runtime.on_stopped()
+            raise
+
+    def _chat(self, spec: PromptSpec, params: SamplingParams, model: str, stop: threading.Event) -> Completion:
         url = f"{self.base_url}/v1/chat/completions"
         body = {
             "model": model,
@@ -160,7 +178,7 @@ class RemotePromptEnhancer:
             "seed": params.seed,
             "stream": False,
         }
-        data = self._request("POST", url, json=body)
+        data = self._request("POST", url, stop, json=body)
         try:
             choice = data["choices"][0]
             content = choice["message"]["content"]
@@ -184,12 +202,12 @@ class RemotePromptEnhancer:
             )
         return {"Authorization": f"Bearer {key}"}
 
-    def _request(self, method: str, url: str, **kwargs) -> dict:
-        """One call with retries; returns the decoded JSON object."""
+    def _request(self, method: str, url: str, stop: threading.Event, **kwargs) -> dict:
+        """One call with retries; returns the decoded JSON object. Sets ``stop`` when the host asks to stop."""
         attempts = self.max_retries + 1
         for attempt in range(attempts):
-            if self.runtime.should_stop():
-                self.runtime.on_stopped()
+            if stop.is_set() or self.runtime.should_stop():
+                stop.set()
                 raise GenerationStopped("the request was interrupted")
             pause = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**attempt) * random.uniform(0.5, 1.0)
             connect_s = min(_CONNECT_TIMEOUT_S, self.timeout_s)
@@ -210,16 +228,16 @@ class RemotePromptEnhancer:
                 failure = f"{url} answered HTTP {response.status_code}"
                 pause = _retry_after(response) or pause
             if attempt + 1 < attempts:
-                self._sleep(pause)
+                self._sleep(pause, stop)
         raise EnhancerError(
             f"{failure}, after {attempts} attempt(s): check that the server is running and that base_url is right"
         )
 
-    def _sleep(self, seconds: float) -> None:
+    def _sleep(self, seconds: float, stop: threading.Event) -> None:
         """Wait between attempts, listening for a stop request."""
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
-            if self.runtime.should_stop():
+            if stop.is_set() or self.runtime.should_stop():
                 return
             time.sleep(min(left, 0.1))
 
