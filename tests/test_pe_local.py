@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from comfyui_ernie_image.nodes.managed import ManagedModule, WholeModelPatcher
 from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
+from comfyui_ernie_image.nodes.pe.decode import StaticDecoder
 from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, SamplingParams
 from comfyui_ernie_image.nodes.pe.runtime import Runtime
@@ -101,6 +102,24 @@ def test_the_compiled_decode_step_traces_whole_and_matches_eager(tiny_models):
     longer = SamplingParams(temperature=0.6, top_p=0.8, max_new_tokens=300, seed=4)
     assert compiled.enhance(PROMPTS[:1], longer) == eager.enhance(PROMPTS[:1], longer)
     assert compiled.enhance(PROMPTS, SAMPLED) == eager.enhance(PROMPTS, SAMPLED)
+
+
+def test_the_compiled_decode_step_compiles_more_buckets_than_dynamos_default_limit(tiny_models):
+    """dynamo compiles one function for at most 8 shapes by default, then runs it eager, silently: nine (batch, cache
+    length) buckets here, one decode step each, must all compile."""
+    from torch._dynamo.utils import counters
+
+    pe = LocalPromptEnhancer.from_snapshot(tiny_models["snapshot"], decode="static-compiled", runtime=Runtime())
+    one_step = SamplingParams(temperature=0.0, max_new_tokens=2)
+    counters.clear()
+    buckets = set()
+    for rows in (1, 2, 4):
+        for words in (1, 200, 300):  # cache lengths 256, 512 and 768
+            specs = [PromptSpec("a cat " * words)] * rows
+            pe.enhance(specs, one_step)
+            buckets.add(StaticDecoder.shape(rows, pe._encode(specs)[0].shape[1], one_step.max_new_tokens))
+    assert len(buckets) == 9
+    assert counters["frames"]["ok"] == counters["frames"]["total"]  # none fell back to eager
 
 
 def test_truncation_is_reported_and_an_eos_ends_the_text(snapshot_pe):

@@ -24,6 +24,9 @@ from . import attention as grouped_attention
 from .protocol import GenerationStopped, SamplingParams
 
 _SYNC_EVERY = 16  # decode steps between looks at the GPU (EOS, progress)
+# The shape buckets the compiled step's recompile limit covers: batches of up to 64 prompts, prompt and answer up to
+# 16384 tokens (the node's longest max_new_tokens, 8192, after a prompt as long).
+_COVERED_ROWS, _COVERED_TOKENS = 64, 16384
 
 
 def uniform_draws(seed: int, steps: int) -> torch.Tensor:
@@ -129,7 +132,17 @@ def _compiled_decode_step() -> Callable:
     global _compiled_step
     if _compiled_step is None:
         logging.info("ERNIE-Image PE: the decode step compiles on first use of each shape bucket (about a minute)")
-        _compiled_step = torch.compile(_decode_step, mode="reduce-overhead", dynamic=False)
+        # Each bucket recompiles this one function, and past dynamo's recompile_limit (8 by default) every new bucket
+        # would run uncompiled, silently: the limit has to cover the buckets.
+        limit = _bucket_count(_COVERED_ROWS, _COVERED_TOKENS)
+        options = {"mode": "reduce-overhead", "dynamic": False}
+        if "recompile_limit" in inspect.signature(torch.compile).parameters:  # this function's own limit
+            _compiled_step = torch.compile(_decode_step, recompile_limit=limit, **options)
+        else:  # older torch: only the process-wide limit (named cache_size_limit in the oldest)
+            config = torch._dynamo.config
+            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            setattr(config, name, max(getattr(config, name), limit))
+            _compiled_step = torch.compile(_decode_step, **options)
     return _compiled_step
 
 
@@ -153,6 +166,11 @@ def _cache_length(n: int) -> int:
     """
     step = max(256, _bucket(n, 256) // 8)
     return -(-n // step) * step
+
+
+def _bucket_count(rows: int, tokens: int) -> int:
+    """How many (batch, cache length) buckets batches of up to ``rows`` prompts of up to ``tokens`` tokens fall in."""
+    return len({_bucket(n, 1) for n in range(1, rows + 1)}) * len({_cache_length(n) for n in range(1, tokens + 1)})
 
 
 def kv_cache_bytes(config, rows: int, length: int, dtype: torch.dtype) -> int:
