@@ -98,6 +98,17 @@ def test_a_corrupt_file_is_set_aside_and_rebuilt(tmp_path, caplog):
     assert ResultCache(path).get("k") == Completion("kept")
 
 
+def test_a_file_with_another_table_layout_is_set_aside_and_rebuilt(tmp_path):
+    """A sound SQLite file whose results table has other columns (another version of the cache, say)."""
+    path = tmp_path / "pe.sqlite3"
+    with sqlite3.connect(path) as other:
+        other.execute("CREATE TABLE results (key TEXT PRIMARY KEY, text TEXT)")
+    cache = ResultCache(path)
+    cache.put("k", Completion("kept"))
+    assert list(tmp_path.glob("pe.sqlite3.corrupt-*"))
+    assert ResultCache(path).get("k") == Completion("kept")
+
+
 def test_corruption_while_open_is_survived(tmp_path):
     path = tmp_path / "pe.sqlite3"
     cache = ResultCache(path, memory_entries=1)

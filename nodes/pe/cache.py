@@ -19,6 +19,8 @@ from .protocol import Completion, EnhancerError, PromptEnhancer, PromptSpec, Sam
 _SCHEMA = "CREATE TABLE IF NOT EXISTS results (key TEXT PRIMARY KEY, text TEXT NOT NULL, truncated INTEGER NOT NULL, "
 _SCHEMA += "used REAL NOT NULL)"
 _BUSY_TIMEOUT_S = 5.0  # how long a statement waits for another process's lock on the file
+# SQLite's result codes (extended ones start with these) for a sound file that cannot be used at the moment.
+_PASSING_ERRORS = ("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_READONLY", "SQLITE_FULL", "SQLITE_IOERR", "SQLITE_CANTOPEN")
 
 
 def cache_key(identity: str, spec: PromptSpec, params: SamplingParams) -> str:
@@ -76,13 +78,13 @@ class ResultCache:
                     return None
                 with db:
                     return db.execute(sql, args).fetchone()
-            except sqlite3.OperationalError as error:
-                # Locked by another ComfyUI sharing the user directory, read-only, disk full: the file and its results
-                # are sound, only this statement cannot use it now (memory keeps the result).
-                self._skip(error)
-                return None
-            except sqlite3.DatabaseError as error:  # not a database, malformed: corrupt
-                self._set_aside(error, final=attempt == 1)
+            except sqlite3.DatabaseError as error:
+                if (getattr(error, "sqlite_errorname", None) or "").startswith(_PASSING_ERRORS):
+                    # Locked by another ComfyUI sharing the user directory, read-only, disk full: the file and its
+                    # results are sound, only this statement cannot use it now (memory keeps the result).
+                    self._skip(error)
+                    return None
+                self._set_aside(error, final=attempt == 1)  # not a database, malformed, another table layout
         return None
 
     def _connect(self) -> sqlite3.Connection | None:
@@ -97,7 +99,7 @@ class ResultCache:
             self._db.execute(_SCHEMA)
         return self._db
 
-    def _skip(self, error: sqlite3.OperationalError) -> None:
+    def _skip(self, error: sqlite3.DatabaseError) -> None:
         if not self._warned_busy:
             self._warned_busy = True
             logging.warning("ERNIE-Image PE cache: %s is in use or not writable (%s); results it cannot take stay in "
