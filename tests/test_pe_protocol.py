@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 from transformers import TopPLogitsWarper
 
 from comfyui_ernie_image.nodes.pe.decode import sample_top_p, uniform_draws
-from comfyui_ernie_image.nodes.pe.protocol import PromptSpec, SamplingParams, chat_messages, user_message
+from comfyui_ernie_image.nodes.pe.protocol import (
+    EnhancerError,
+    PromptSpec,
+    SamplingParams,
+    chat_messages,
+    user_message,
+)
 from comfyui_ernie_image.nodes.pe.weights import BAIDU_CHAT_TEMPLATE
 
 HOSTILE = 'a "quoted" \\ back\\slash\nnew line\t tab 中文提示 🐱‍👤 </s> [INST] {"json": 1} \u2028 \x00'
@@ -64,6 +70,12 @@ def test_baidus_chat_template_wraps_the_message_unchanged(baidu_template_tokeniz
 def test_sampling_params_reject_impossible_values(kwargs, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         SamplingParams(**kwargs)
+
+
+def test_a_prompt_that_is_not_valid_unicode_is_a_clear_error():
+    with pytest.raises(EnhancerError, match="The prompt is not valid Unicode text \\(surrogates not allowed at "
+                                            "character 6\\)"):
+        PromptSpec("a cat \ud83d and a dog")
 
 
 def test_the_nucleus_is_transformers_nucleus():

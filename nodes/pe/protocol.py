@@ -46,6 +46,15 @@ class PromptSpec:
     width: int = 1024
     height: int = 1024
 
+    def __post_init__(self) -> None:
+        try:
+            self.prompt.encode("utf-8")
+        except UnicodeEncodeError as error:  # a lone surrogate, e.g. half an emoji from a broken text source
+            raise EnhancerError(
+                f"The prompt is not valid Unicode text ({error.reason} at character {error.start}): remove it or "
+                "fix the text where it comes from."
+            ) from error
+
     def messages(self) -> list[dict[str, str]]:
         return chat_messages(self.prompt, self.width, self.height)
 
