@@ -147,6 +147,25 @@ def test_an_interrupt_raised_by_comfyui_progress_hook_keeps_the_fast_path(tiny_m
     assert pe._decoder is not None and not caplog.records
 
 
+def test_fault_injected_out_of_memory_is_raised_and_keeps_the_fast_path(tiny_models):
+    """Out of GPU memory (a long batch on a small card; injected: the CPU cannot run out) is the user's to see and
+    ComfyUI's to handle, not a reason to decode slowly from then on."""
+    pe = LocalPromptEnhancer.from_snapshot(tiny_models["snapshot"], decode="static", runtime=Runtime())
+    first = texts(pe, PROMPTS[:1], GREEDY)
+    pe.decode = "auto"  # what "auto" is on CUDA with a compiler: the fast decoder, plain generate as its fallback
+    decoder = pe._decoder
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    pe._decoder.generate = out_of_memory
+    with pytest.raises(torch.OutOfMemoryError):
+        pe.enhance(PROMPTS[:1], GREEDY)
+    assert pe._decoder is decoder
+    del decoder.generate  # the memory is back
+    assert texts(pe, PROMPTS[:1], GREEDY) == first
+
+
 class InterruptingRuntime(ComfyRuntime):
     """ComfyUI's runtime that presses ComfyUI's interrupt once 8 tokens exist, and counts the stop checks after."""
 

@@ -124,8 +124,8 @@ class LocalPromptEnhancer:
         if self._decoder is not None:
             try:
                 return self._decoder.generate(*args)
-            except (GenerationStopped, *self.runtime.interrupts):
-                raise
+            except (GenerationStopped, torch.OutOfMemoryError, *self.runtime.interrupts):
+                raise  # a stop, or too long a batch for the memory: the fast path itself is sound
             except Exception as error:  # a compiler or graph failure: keep working, slower
                 if self.decode != "auto":
                     raise
