@@ -32,6 +32,10 @@ class ManagedModule(torch.nn.Module):
         self.device = device
 
 
+class TextEncoderModule(ManagedModule):
+    """The text encoder as ComfyUI's model management holds it (the class name shows in ComfyUI's log)."""
+
+
 def tensor_bytes(tensor: torch.Tensor) -> int:
     """The memory a tensor holds. A quantized (torchao) weight reports its original dtype, so count what it wraps."""
     if is_traceable_wrapper_subclass(tensor):
@@ -52,8 +56,18 @@ class WholeModelPatcher(comfy.model_patcher.ModelPatcher):
         return self.size
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False):
-        with torch.inference_mode(False):
-            super().load(device_to, lowvram_model_memory, force_patch_weights, full_load=True)
+        try:
+            with torch.inference_mode(False):
+                super().load(device_to, lowvram_model_memory, force_patch_weights, full_load=True)
+        except torch.OutOfMemoryError as error:
+            # Still an out-of-memory error, so that ComfyUI frees its models as for any other; ComfyUI's own tip
+            # is about batch sizes, this says what the whole-model rule needs.
+            raise torch.OutOfMemoryError(
+                f"{error}\nERNIE-Image: {type(self.model).__name__} needs {self.model_size() / 2**30:.1f} GiB on "
+                f"{device_to or self.load_device} as a whole (the pack's models cannot be loaded in part). Make room: "
+                "quantize the DiT in its loader (fp8_per_row or int8_weight_only), put the Prompt Enhancer on "
+                "another device, or close other programs that use the GPU."
+            ) from error
 
     def unpatch_model(self, device_to=None, unpatch_weights=True):
         with torch.inference_mode(False):
@@ -74,5 +88,5 @@ def text_model_patcher(module: torch.nn.Module) -> WholeModelPatcher:
     """A ModelPatcher that keeps ``module`` where ComfyUI keeps text encoders and loads it, whole, on demand."""
     load_device = comfy.model_management.text_encoder_device()
     offload_device = comfy.model_management.text_encoder_offload_device()
-    container = ManagedModule(module.to(offload_device), offload_device)
+    container = TextEncoderModule(module.to(offload_device), offload_device)
     return WholeModelPatcher(container, load_device=load_device, offload_device=offload_device)

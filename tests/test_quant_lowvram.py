@@ -52,6 +52,27 @@ def test_the_model_is_never_unloaded_in_part(patcher):
     assert devices(patcher) == {"meta"}  # ComfyUI then unloads the whole model (LoadedModel.model_unload)
 
 
+class OutOfMemoryOnMoves(TorchFunctionMode):
+    """A GPU that is full: every move to it fails (injected: the CPU cannot run out of GPU memory)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.to:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+        return func(*args, **(kwargs or {}))
+
+
+def test_fault_injected_out_of_memory_says_what_the_whole_model_needs(patcher):
+    """Still an out-of-memory error, so that ComfyUI frees its models as for any other, with what to do."""
+    with OutOfMemoryOnMoves(), pytest.raises(torch.OutOfMemoryError) as raised:
+        patcher.load(GPU, lowvram_model_memory=patcher.model_size() // 2)
+    message = str(raised.value)
+    name = type(patcher.model).__name__
+    assert name in ("ErnieImageModel", "TextEncoderModule")  # as ComfyUI's log names them
+    assert message.startswith(f"CUDA out of memory. Tried to allocate 64.00 MiB\nERNIE-Image: {name} needs "
+                              f"{patcher.model_size() / 2**30:.1f} GiB on meta as a whole (the pack's models cannot")
+    assert "quantize the DiT in its loader (fp8_per_row or int8_weight_only)" in message
+
+
 def test_quantized_weights_count_by_what_they_hold():
     """torchao's quantized weights are wrapper tensors that report the original dtype: ComfyUI's own size estimate
     would count an FP8 DiT as 16 GB. TwoTensor (torch's test wrapper, two tensors inside) stands in for them, and
