@@ -13,12 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.managed import ManagedModule, WholeModelPatcher
 from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
 from comfyui_ernie_image.nodes.pe.decode import StaticDecoder
 from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, SamplingParams
 from comfyui_ernie_image.nodes.pe.runtime import Runtime
+from helpers.files import snapshot_with_truncated_file
 
 PROMPTS = [
     PromptSpec("a cat", 1024, 1024),
@@ -216,6 +218,12 @@ def test_the_weights_are_a_comfyui_model_that_unload_all_frees(tiny_models):
     assert _managed_pe_models(pe) == []
     assert texts(pe, PROMPTS[:1], GREEDY) == first  # loads again on demand
     assert len(_managed_pe_models(pe)) == 1
+
+
+def test_a_truncated_pe_config_is_named(tiny_models, tmp_path):
+    snapshot = snapshot_with_truncated_file(tiny_models["snapshot"], tmp_path, "pe/config.json", keep_bytes=20)
+    with pytest.raises(ErnieImageError, match=r"pe/config\.json .*damaged or incomplete.*download it again"):
+        LocalPromptEnhancer.from_snapshot(snapshot).enhance(PROMPTS[:1], GREEDY)
 
 
 def test_layout_errors_say_what_is_wrong_and_what_to_do(tiny_models, tmp_path):

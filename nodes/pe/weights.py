@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..ministral_file import read_ministral_file
+from ..model_files import read_json
 from .protocol import EnhancerError
 
 BAIDU_CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
@@ -82,7 +83,7 @@ def path_source(path: Path) -> PESource:
 def _load_folder(folder: Path, dtype: torch.dtype):
     from transformers import Ministral3Config, Ministral3ForCausalLM
 
-    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    model_type = read_json(folder / "config.json").get("model_type")
     if model_type != "ministral3":
         raise EnhancerError(f"{folder} holds a {model_type!r} model; the ERNIE-Image prompt enhancer is 'ministral3'")
     if not any(folder.glob("*.safetensors")):
