@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -68,6 +69,15 @@ def test_truncated_config_is_named(tiny_models, tmp_path, config):
     snapshot = snapshot_with_truncated_file(tiny_models["snapshot"], tmp_path, config, keep_bytes=20)
     with pytest.raises(ErnieImageError, match=rf"{config.split('/')[1]} .*damaged or incomplete.*download it again"):
         load_transformer(snapshot, torch.float32) if config.startswith("transformer") else snapshot_shift(snapshot)
+
+
+def test_a_config_that_is_not_a_json_object_is_named(tiny_models, tmp_path):
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(tiny_models["snapshot"], snapshot)
+    (snapshot / "scheduler" / "scheduler_config.json").write_text("[4.0]")
+    with pytest.raises(ErnieImageError, match=r"scheduler_config\.json \(a JSON list, not an object\)\. The file is "
+                                              r"damaged or incomplete"):
+        snapshot_shift(snapshot)
 
 
 def test_one_shard_of_a_sharded_dit_says_to_use_the_snapshot(tiny_models, tmp_path):
