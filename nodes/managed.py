@@ -10,8 +10,12 @@ unloaded whole. To fit a smaller GPU, quantize the DiT (``fp8_per_row`` halves i
 
 Models move between devices outside inference mode, although ComfyUI runs every node inside it: there, ``.to``
 reaches torchao's quantized weights undecomposed and their aliasing fix-up fails ("Attempted to set the storage of
-a tensor on device cpu to a storage on different device cuda:0", torchao 0.17 on the H200). Plain weights move
-the same either way.
+a tensor on device cpu to a storage on different device cuda:0", torchao 0.17 on the H200).
+
+So every weight the pack makes is a normal tensor, never an inference tensor, even though its loaders run inside
+inference mode: the loading functions run under ``torch.inference_mode(False)``. A parameter made in inference mode
+whose data a move outside it replaces breaks every later forward ("Inference tensors do not track version
+counter": every GPU user's first sampling step, 2026-12-01); a normal one moves either way.
 """
 
 from __future__ import annotations

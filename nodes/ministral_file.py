@@ -21,6 +21,7 @@ HEAD_DIM = 128  # every Ministral 3 model has 128-wide attention heads
 _PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "model.lm_head.": "lm_head."}
 
 
+@torch.inference_mode(False)  # normal tensors even when called in inference mode (``nodes/managed.py`` says why)
 def read_ministral_file(
     path: Path,
     dtype: torch.dtype,

@@ -27,6 +27,7 @@ _HEADROOM = 2 * 2**30  # GPU memory left for quantizing one layer beside the who
 _LOAD_ERRORS = (OSError, ValueError, RuntimeError, TypeError, KeyError, SafetensorError)
 
 
+@torch.inference_mode(False)  # torchao's and SVDQuant's layers too (``nodes/managed.py`` says why)
 def load_quantized_dit(
     load: Callable[[], torch.nn.Module],
     method: str,

@@ -30,6 +30,7 @@ def decode_memory(shape: tuple[int, ...], dtype: torch.dtype) -> float:
     return DECODE_BYTES_PER_LATENT_PIXEL * shape[2] * shape[3] * comfy.model_management.dtype_size(dtype)
 
 
+@torch.inference_mode(False)  # normal tensors even when called in inference mode (``nodes/managed.py`` says why)
 def make_vae(state_dict: dict[str, torch.Tensor], source: str) -> comfy.sd.VAE:
     """A core ``VAE`` from the Flux.2 VAE weights (diffusers or ComfyUI keys), with the trained BN epsilon."""
     vae = comfy.sd.VAE(sd=state_dict)

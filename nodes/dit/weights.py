@@ -118,6 +118,7 @@ def load_transformer_folder(folder: Path, dtype: torch.dtype):
     return model.eval()
 
 
+@torch.inference_mode(False)  # normal tensors even when called in inference mode (``nodes/managed.py`` says why)
 def load_transformer(path: Path, dtype: torch.dtype):
     """The DiT from a snapshot folder, its ``transformer/`` folder, or a single safetensors file."""
     if path.is_dir():

@@ -76,7 +76,8 @@ class LocalPromptEnhancer:
     def __repr__(self) -> str:
         return f"LocalPromptEnhancer({self.source.weights}, device={self.device_name}, dtype={self.dtype_name})"
 
-    def _ensure_loaded(self) -> None:
+    @torch.inference_mode(False)  # normal tensors although the enhance node runs in inference mode (the fused
+    def _ensure_loaded(self) -> None:  # gate/up weights too): ``nodes/managed.py`` says why
         if self._model is not None:
             return
         device = self.runtime.device(self.device_name)

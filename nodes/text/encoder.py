@@ -26,6 +26,7 @@ class ErnieTextEncoder:
         self.tokenizer = tokenizer
 
     @classmethod
+    @torch.inference_mode(False)  # normal tensors even when called in inference mode (``nodes/managed.py`` says why)
     def from_snapshot(cls, snapshot: Path, dtype: torch.dtype) -> ErnieTextEncoder:
         """Load ``text_encoder/`` and ``tokenizer/`` of an ERNIE-Image snapshot (safetensors only)."""
         from transformers import AutoTokenizer, Mistral3Model
