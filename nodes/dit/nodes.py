@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 from pathlib import Path
 
 import comfy.model_management
@@ -30,14 +32,31 @@ from .vae import load_snapshot_vae, load_vae
 from .weights import load_transformer
 
 WEIGHT_DTYPES = {"default": None, "bf16": torch.bfloat16, "fp32": torch.float32}
+RUNNABLE_DTYPES = [torch.bfloat16, torch.float32]  # what the pack's DiT runs in (fp8 storage: the quantization input)
 QUANTIZATION_METHODS = list(METHODS)
 
 
 def _weight_dtype(choice: str) -> torch.dtype:
-    """The DiT's dtype: the user's choice, or ComfyUI's pick for the device (bf16 on recent GPUs, fp32 on CPU)."""
+    """The DiT's dtype: the user's choice, or ComfyUI's pick for the device (bf16 on recent GPUs, fp32 on CPU).
+
+    ComfyUI's global flags (``--fp16-unet``, ``--fp8_e4m3fn-unet``, ...) make its pick a dtype whatever the model
+    supports; one the pack's DiT cannot run falls back to bf16 (fp32 where bf16 is unsupported), said once."""
     if WEIGHT_DTYPES[choice] is not None:
         return WEIGHT_DTYPES[choice]
-    return comfy.model_management.unet_dtype(supported_dtypes=[torch.bfloat16, torch.float32])
+    device = comfy.model_management.get_torch_device()
+    dtype = comfy.model_management.unet_dtype(device, supported_dtypes=RUNNABLE_DTYPES)
+    if dtype in RUNNABLE_DTYPES:
+        return dtype
+    fallback = torch.bfloat16 if comfy.model_management.should_use_bf16(device) else torch.float32
+    _say_dtype_fallback(dtype, fallback)
+    return fallback
+
+
+@functools.cache  # once per process and dtype pair
+def _say_dtype_fallback(asked: torch.dtype, used: torch.dtype) -> None:
+    logging.warning(
+        "ERNIE-Image: ComfyUI's unet dtype flag asks for %s, which the ERNIE-Image DiT does not run in; loading it "
+        "in %s. For FP8 weights, use the loader's quantization input (fp8_per_row or fp8_weight_only).", asked, used)
 
 
 def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float):
