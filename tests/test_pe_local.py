@@ -250,3 +250,44 @@ def test_layout_errors_say_what_is_wrong_and_what_to_do(tiny_models, tmp_path):
 
     with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
         LocalPromptEnhancer.from_path(tiny_models["pe_folder"], dtype="int8")
+
+
+def fail_the_model(pe, message: str):
+    """Every forward of the PE's language model fails (injected: e.g. weights broken by a bad device move)."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError(message)
+
+    pe._model.lm_head.forward = broken
+
+
+def test_fault_injected_failure_of_the_model_keeps_the_fast_path(tiny_models, caplog):
+    """A failure that plain generate meets too (here the model's own) is not the fast decoder's: raised as it is,
+    and fast decoding stays on once the cause is gone."""
+    pe = LocalPromptEnhancer.from_snapshot(tiny_models["snapshot"], decode="static", runtime=Runtime())
+    first = texts(pe, PROMPTS[:1], GREEDY)
+    pe.decode = "auto"  # what "auto" is on CUDA with a compiler: the fast decoder, plain generate as its fallback
+    decoder = pe._decoder
+    fail_the_model(pe, "Inference tensors do not track version counter.")
+    with pytest.raises(RuntimeError, match="Inference tensors"), caplog.at_level(logging.WARNING):
+        pe.enhance(PROMPTS[:1], GREEDY)
+    assert pe._decoder is decoder and not caplog.records
+    del pe._model.lm_head.forward
+    assert texts(pe, PROMPTS[:1], GREEDY) == first
+
+
+def test_fault_injected_failure_of_the_fast_decoder_alone_falls_back_to_generate(tiny_models, caplog):
+    pe = LocalPromptEnhancer.from_snapshot(tiny_models["snapshot"], decode="static", runtime=Runtime())
+    first = texts(pe, PROMPTS[:1], GREEDY)
+    pe.decode = "auto"
+
+    def compiler_failure(*args):
+        raise RuntimeError("inductor: failed to compile the decode step")
+
+    pe._decoder.generate = compiler_failure
+    with caplog.at_level(logging.WARNING):
+        assert texts(pe, PROMPTS[:1], GREEDY) == first
+    assert pe._decoder is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "ERNIE-Image PE: fast decoding failed (inductor: failed to compile the decode step) where plain generate "
+        "works; using plain generate from now on"]

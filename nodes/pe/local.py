@@ -127,11 +127,20 @@ class LocalPromptEnhancer:
                 return self._decoder.generate(*args)
             except (GenerationStopped, torch.OutOfMemoryError, *self.runtime.interrupts):
                 raise  # a stop, or too long a batch for the memory: the fast path itself is sound
-            except Exception as error:  # a compiler or graph failure: keep working, slower
+            except Exception as error:
                 if self.decode != "auto":
                     raise
-                logging.warning("ERNIE-Image PE: fast decoding failed (%s); using plain generate from now on", error)
+                # Plain generate tells whose failure it was. Failing too, the cause lies elsewhere (the weights,
+                # the device: broken weights once failed both) and its error is raised with the fast path kept;
+                # working, the fast path's own (a compiler or graph failure) and it is dropped for good.
+                tokens = self._generate_plain(args)
+                logging.warning("ERNIE-Image PE: fast decoding failed (%s) where plain generate works; using plain "
+                                "generate from now on", error)
                 self._decoder = None
+                return tokens
+        return self._generate_plain(args)
+
+    def _generate_plain(self, args: tuple) -> torch.Tensor:
         with torch.inference_mode():
             return generate_plain(self._model, *args)
 
