@@ -127,3 +127,28 @@ def test_off_mode_undoes_compilation(plain, monkeypatch):
     prompt = dict(prompt=text(5, 3), size=(8, 8))
     assert torch.equal(sample(off, **prompt, **TURBO), sample(plain, **prompt, **TURBO))
     assert graphs() == unique
+
+
+def test_past_the_recompile_limit_the_blocks_run_eager_and_the_log_says_so_once(plain, monkeypatch, caplog):
+    """A limit of 1 stands in for a process that met more variants than RECOMPILE_LIMIT: batch 1 compiles, batched
+    CFG (another batch size, a text mask) runs eager, still correct, and one line says so. dynamo's process-wide
+    settings are as they were after the runs."""
+    import logging
+
+    from comfyui_ernie_image.nodes.accel import compile as regional
+
+    torch._dynamo.reset()
+    regional._say_eager_fallback.cache_clear()
+    monkeypatch.setattr(regional, "RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    compiled = apply_compile(plain, "default")
+    settings = (torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit)
+    with caplog.at_level(logging.WARNING, logger=regional.__name__):
+        sample(compiled, **TURBO)
+        for _ in range(2):
+            assert torch.allclose(sample(compiled, steps=2, cfg=4.0), sample(plain, steps=2, cfg=4.0), atol=1e-4)
+    assert [r.getMessage() for r in caplog.records] == [
+        "ERNIE-Image: the DiT's blocks were compiled for 1 variants (models, dtypes, batch sizes, text masks) in this "
+        "process, dynamo's limit: others run eager, slower. Restart ComfyUI to compile afresh."]
+    assert (torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit) == settings
+    torch._dynamo.reset()

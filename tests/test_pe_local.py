@@ -122,6 +122,7 @@ def test_the_compiled_decode_step_compiles_more_buckets_than_dynamos_default_lim
             buckets.add(StaticDecoder.shape(rows, pe._encode(specs)[0].shape[1], one_step.max_new_tokens))
     assert len(buckets) == 9
     assert counters["frames"]["ok"] == counters["frames"]["total"]  # none fell back to eager
+    assert torch._dynamo.config.recompile_limit == 8  # raised while decoding only, not for the other nodes
 
 
 def test_truncation_is_reported_and_an_eos_ends_the_text(snapshot_pe):

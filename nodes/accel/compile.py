@@ -10,7 +10,9 @@ single pass, one for batched CFG). Installing sets the blocks' ``_compiled_call_
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import os
 import shutil
 import sys
@@ -20,6 +22,12 @@ import torch
 
 MODES = ("default", "max-autotune-no-cudagraphs")
 DEFAULT_MIN_CAPABILITY = (8, 0)  # Ampere and later: bf16 tensor cores, where Triton's kernels are at home
+# The compiled variants one ComfyUI process may meet: weight dtypes (bf16, fp32, torchao's FP8 and INT8 weights) x
+# batch (1, or cond and uncond batched) x attention mask (none, or texts of other lengths padded), with room to spare.
+# dynamo's default (8) would run the rest eager, silently.
+RECOMPILE_LIMIT = 64
+
+log = logging.getLogger(__name__)
 
 
 def compile_problem(device: torch.device) -> str | None:
@@ -91,9 +99,27 @@ def _compiled_block_call(mode: str) -> Callable:
     return torch.compile(_call_block, mode=None if mode == "default" else mode)
 
 
+def compile_settings() -> contextlib.AbstractContextManager:
+    """dynamo's settings while a run's blocks are compiled (only then: nothing process-wide stays behind): enough
+    recompiles for the variants, and an exception rather than a silent eager run when they run out."""
+    limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True)
+
+
+@functools.cache  # once per process
+def _say_eager_fallback() -> None:
+    log.warning("ERNIE-Image: the DiT's blocks were compiled for %d variants (models, dtypes, batch sizes, text "
+                "masks) in this process, dynamo's limit: others run eager, slower. Restart ComfyUI to compile "
+                "afresh.", torch._dynamo.config.recompile_limit)
+
+
 def _call_with_dynamic_sequence(compiled: Callable, block: torch.nn.Module, *args, **kwargs):
     _mark_sequence_dynamic(args, kwargs)
-    return compiled(block, *args, **kwargs)
+    try:
+        return compiled(block, *args, **kwargs)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        _say_eager_fallback()
+        return block._call_impl(*args, **kwargs)
 
 
 class RegionalCompile:

@@ -28,7 +28,7 @@ import torch
 from ..errors import ErnieImageError
 from .cache import CacheRun, check_block_count, step_index
 from .cache_presets import CacheSettings
-from .compile import RegionalCompile, compile_problem, compiles_by_default
+from .compile import RegionalCompile, compile_problem, compile_settings, compiles_by_default
 
 log = logging.getLogger(__name__)
 CACHE_KEY, COMPILE_KEY = "ernie_image_cache_dit", "ernie_image_compile"
@@ -116,7 +116,8 @@ def _compile_sampler_sample(executor, *args, **kwargs):
     _announce_compile()
     try:
         regional.install()
-        return executor(*args, **kwargs)
+        with compile_settings():
+            return executor(*args, **kwargs)
     finally:
         regional.remove()
 

@@ -12,6 +12,7 @@ no ComfyUI.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -132,18 +133,16 @@ def _compiled_decode_step() -> Callable:
     global _compiled_step
     if _compiled_step is None:
         logging.info("ERNIE-Image PE: the decode step compiles on first use of each shape bucket (about a minute)")
-        # Each bucket recompiles this one function, and past dynamo's recompile_limit (8 by default) every new bucket
-        # would run uncompiled, silently: the limit has to cover the buckets.
-        limit = _bucket_count(_COVERED_ROWS, _COVERED_TOKENS)
-        options = {"mode": "reduce-overhead", "dynamic": False}
-        if "recompile_limit" in inspect.signature(torch.compile).parameters:  # this function's own limit
-            _compiled_step = torch.compile(_decode_step, recompile_limit=limit, **options)
-        else:  # older torch: only the process-wide limit (named cache_size_limit in the oldest)
-            config = torch._dynamo.config
-            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-            setattr(config, name, max(getattr(config, name), limit))
-            _compiled_step = torch.compile(_decode_step, **options)
+        _compiled_step = torch.compile(_decode_step, mode="reduce-overhead", dynamic=False)
     return _compiled_step
+
+
+def _recompile_limit() -> contextlib.AbstractContextManager:
+    """dynamo's recompile limit while the compiled step runs, and only then (no process-wide limit stays raised for
+    other nodes): each bucket recompiles the one step function, and past the limit (8 by default) every new bucket
+    would run uncompiled, silently, so it has to cover the buckets."""
+    limit = max(torch._dynamo.config.recompile_limit, _bucket_count(_COVERED_ROWS, _COVERED_TOKENS))
+    return torch._dynamo.config.patch(recompile_limit=limit)
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -266,19 +265,20 @@ class StaticDecoder:
         position = positions[:, -1] + 1
         step_fn = _compiled_decode_step() if self.compiled else _decode_step
         steps = 1
-        while steps < params.max_new_tokens:
-            if should_stop():
-                raise GenerationStopped("generation was interrupted")
-            if steps % _SYNC_EVERY == 0:
-                progress(steps)
-                if not ignore_eos and bool(finished[:batch].all()):
-                    break
-            if self.compiled:
-                torch.compiler.cudagraph_mark_step_begin()
-            token = step_fn(self.model, cache_kwargs, token, position, mask, u[steps], temperature, top_p).clone()
-            tokens[:, steps] = token
-            finished |= torch.isin(token, eos)
-            position += 1
-            steps += 1
+        with _recompile_limit() if self.compiled else contextlib.nullcontext():
+            while steps < params.max_new_tokens:
+                if should_stop():
+                    raise GenerationStopped("generation was interrupted")
+                if steps % _SYNC_EVERY == 0:
+                    progress(steps)
+                    if not ignore_eos and bool(finished[:batch].all()):
+                        break
+                if self.compiled:
+                    torch.compiler.cudagraph_mark_step_begin()
+                token = step_fn(self.model, cache_kwargs, token, position, mask, u[steps], temperature, top_p).clone()
+                tokens[:, steps] = token
+                finished |= torch.isin(token, eos)
+                position += 1
+                steps += 1
         progress(steps)
         return tokens[:batch, :steps]
