@@ -81,6 +81,13 @@ class WholeModelPatcher(comfy.model_patcher.ModelPatcher):
         return 0  # frees nothing: ComfyUI then unloads the whole model
 
 
+def usable_memory(device: torch.device) -> int:
+    """Memory a model may take on ``device`` now, as ComfyUI counts it: free memory (torch's cache included) less
+    ComfyUI's reserve (``--reserve-vram``), never the driver's free memory alone."""
+    mm = comfy.model_management
+    return mm.get_free_memory(device) - mm.extra_reserved_memory()
+
+
 def text_model_dtype(device: torch.device) -> torch.dtype:
     """bf16 where the GPU runs it well (the released weights' dtype), float32 elsewhere (CPU, old GPUs)."""
     if comfy.model_management.is_device_cuda(device) and comfy.model_management.should_use_bf16(device):

@@ -14,8 +14,9 @@ from diffusers import ErnieImageTransformer2DModel
 from torch.overrides import TorchFunctionMode
 from torch.testing._internal.two_tensor import TwoTensor
 
+from comfyui_ernie_image.nodes.accel.quantize import quantization_device
 from comfyui_ernie_image.nodes.dit.model import make_model_patcher
-from comfyui_ernie_image.nodes.managed import WholeModelPatcher
+from comfyui_ernie_image.nodes.managed import WholeModelPatcher, usable_memory
 from comfyui_ernie_image.nodes.text.managed import ManagedTextEncoder
 from tiny_models import TINY_DIT
 
@@ -118,3 +119,21 @@ def test_the_dit_moves_outside_inference_mode():
         moves.inference_mode.clear()
         patcher.unpatch_model(GPU)  # the unload's move (back to "meta": nothing comes back from it)
     assert moves.inference_mode == {False}
+
+
+def test_quantization_runs_on_the_gpu_only_when_comfyui_counts_room_for_the_whole_dit():
+    transformer = ErnieImageTransformer2DModel(**TINY_DIT)
+    needed = sum(p.nbytes for p in transformer.parameters()) + 2 * 2**30
+    gpu = torch.device("cuda", 0)
+    assert quantization_device(transformer, gpu, needed) == gpu
+    assert quantization_device(transformer, gpu, needed - 1) == torch.device("cpu")
+
+
+def test_usable_memory_is_comfyuis_free_memory_less_its_reserve(monkeypatch):
+    """What an emulated or real smaller card shows through ComfyUI (``--reserve-vram``), which the driver's free
+    memory does not."""
+    import comfy.model_management as mm
+
+    monkeypatch.setattr(mm, "EXTRA_RESERVED_VRAM", 3 * 2**30)
+    cpu = torch.device("cpu")
+    assert abs(usable_memory(cpu) - (mm.get_free_memory(cpu) - 3 * 2**30)) < 2**26  # the free memory moves a little

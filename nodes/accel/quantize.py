@@ -35,12 +35,14 @@ def load_quantized_dit(
     source: Path,
     dtype: torch.dtype,
     device: torch.device,
+    free_memory: Callable[[torch.device], int],
     cache_root: Path,
 ) -> torch.nn.Module:
     """The DiT that ``load()`` reads from ``source`` (in ``dtype``), quantized with ``method`` on ``device``.
 
     The capability check runs first: a method that cannot run here fails before any weights are read.
-    SVDQuant results are kept under ``cache_root``.
+    ``free_memory(device)`` is the memory the host lets a model use there now; SVDQuant results are kept under
+    ``cache_root``.
     """
     spec = METHODS[method]
     if not spec.backend:
@@ -48,16 +50,18 @@ def load_quantized_dit(
     require(method, probe(device), dtype)
     if spec.backend == "torchao":
         transformer = load()
-        return quantize_torchao(transformer, spec.quant_type, quantization_device(transformer, device))
+        on = quantization_device(transformer, device, free_memory(device) if device.type == "cuda" else 0)
+        return quantize_torchao(transformer, spec.quant_type, on)
     return load_or_build_svdq(load, spec.quant_type, source=source, device=device, cache=SVDQCache(cache_root))
 
 
-def quantization_device(transformer: torch.nn.Module, device: torch.device) -> torch.device:
-    """``device`` when the whole DiT fits in its free memory now (seconds), else the CPU (slower, no GPU memory)."""
+def quantization_device(transformer: torch.nn.Module, device: torch.device, free: int) -> torch.device:
+    """``device`` when the whole DiT fits in its ``free`` bytes (seconds), else the CPU (slower, no GPU memory).
+
+    ``free`` is what the host's memory management offers, not the driver's free memory: ComfyUI keeps a reserve
+    (``--reserve-vram``) that a smaller card would not have at all."""
     if device.type != "cuda":
         return device
-    free, _ = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # cached by torch, reusable
     needed = sum(p.nbytes for p in transformer.parameters()) + _HEADROOM
     return device if free >= needed else torch.device("cpu")
 

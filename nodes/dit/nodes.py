@@ -14,6 +14,7 @@ from comfy_api.v0_0_2 import io
 from ..accel.capability import METHODS
 from ..accel.patching import compile_by_default
 from ..accel.quantize import load_quantized_dit
+from ..managed import usable_memory
 from ..paths import (
     SNAPSHOT_PREFIX,
     check_choice,
@@ -68,6 +69,7 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float):
         source=path,
         dtype=dtype,
         device=comfy.model_management.get_torch_device(),
+        free_memory=usable_memory,
         cache_root=Path(folder_paths.models_dir) / "ernie_quantized",  # where SVDQuant DiTs are saved
     )
     patcher = make_model_patcher(transformer, shift)
