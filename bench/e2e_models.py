@@ -1,0 +1,124 @@
+"""ERNIE-Image models with random weights in every on-disk layout users download, under their real names.
+
+A ComfyUI ``models`` folder for the GPU end-to-end check (``gpu_e2e.py``):
+
+- ``diffusers/ERNIE-Image-Turbo/``: the Hugging Face snapshot (``model_index.json``, ``transformer/``,
+  ``text_encoder/``, ``tokenizer/``, ``vae/``, ``scheduler/``, ``pe/``, ``pe_tokenizer/``), written by diffusers'
+  and transformers' own ``save_pretrained``; ``diffusers/ERNIE-Image/`` is the same files, hard-linked (Base and
+  Turbo share the architecture, and the GPU machine's disk is 64 GiB);
+- ComfyUI's repack: ``diffusion_models/ernie-image-turbo.safetensors`` (the snapshot's DiT file: the same keys,
+  hard-linked; the snapshot's DiT is saved unsharded for that), ``text_encoders/ministral-3-3b.safetensors`` (the
+  language model with its tokenizer inside), ``text_encoders/ernie-image-prompt-enhancer.safetensors`` (the same
+  file, hard-linked: a random PE has the text encoder's architecture), ``vae/flux2-vae.safetensors`` (hard-linked).
+
+``true_size=True`` builds the released sizes on the GPU (an 8B DiT and two 3.4B Ministral 3 models, bf16,
+normal(0, 0.02) weights, about 37 GB on disk); otherwise the tiny models of ``scripts/tiny_models.py`` (CPU, seconds).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from tiny_models import (  # noqa: E402  (scripts/ is not a package)
+    PE_CHAT_TEMPLATE,
+    make_pipeline,
+    make_tokenizer,
+    save_text_encoder_single_file,
+)
+
+TURBO, BASE = "ERNIE-Image-Turbo", "ERNIE-Image"
+# Ministral 3 3B, the text encoder's language model and the PE (DESIGN.md §2: 3.4B, tied embeddings).
+TRUE_MINISTRAL = dict(vocab_size=131072, hidden_size=3072, intermediate_size=9216, num_hidden_layers=26,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=3)
+_DONE = ".complete"  # written last: a folder without it was interrupted and is written again
+
+
+@torch.no_grad()
+def _randomise(module: torch.nn.Module) -> torch.nn.Module:
+    """normal(0, 0.02) weights, norm weights 1: speed and memory do not depend on the values."""
+    for name, param in module.named_parameters():
+        param.fill_(1.0) if "norm" in name and name.endswith("weight") else param.normal_(0.0, 0.02)
+    return module.eval()
+
+
+def _true_size(cls, config) -> torch.nn.Module:
+    with torch.device("meta"):
+        module = cls(config)
+    return _randomise(module.to_empty(device="cuda").to(torch.bfloat16))
+
+
+def true_size_pipeline():
+    """The released architecture at full size with random weights, bf16 on the GPU."""
+    from common import random_true_size_dit
+    from diffusers import AutoencoderKLFlux2, ErnieImagePipeline, FlowMatchEulerDiscreteScheduler
+    from transformers import (
+        Ministral3Config,
+        Ministral3ForCausalLM,
+        Mistral3Config,
+        Mistral3Model,
+        PixtralVisionConfig,
+    )
+
+    text_config = Ministral3Config(**TRUE_MINISTRAL)
+    vision = PixtralVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                 head_dim=32)  # never used by ERNIE-Image: kept small
+    return ErnieImagePipeline(
+        transformer=random_true_size_dit(),
+        vae=AutoencoderKLFlux2().to("cuda", torch.bfloat16).eval(),
+        text_encoder=_true_size(Mistral3Model, Mistral3Config(text_config=text_config, vision_config=vision)),
+        tokenizer=make_tokenizer(),
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=4.0),
+        pe=_true_size(Ministral3ForCausalLM, text_config),
+        pe_tokenizer=make_tokenizer(PE_CHAT_TEMPLATE),
+    )
+
+
+def _link(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.unlink(missing_ok=True)
+    os.link(source, target)
+
+
+def _link_tree(source: Path, target: Path) -> None:
+    for path in source.rglob("*"):
+        if path.is_file():
+            _link(path, target / path.relative_to(source))
+
+
+def write_models(models_dir: Path, true_size: bool) -> Path:
+    """Write (once) every layout under ``models_dir``; returns ``models_dir``."""
+    if (models_dir / _DONE).is_file():
+        return models_dir
+    pipe = true_size_pipeline() if true_size else make_pipeline()
+    turbo = models_dir / "diffusers" / TURBO
+    pipe.save_pretrained(turbo, safe_serialization=True, max_shard_size="64GB")  # the DiT unsharded: linked below
+    _link(turbo / "transformer" / "diffusion_pytorch_model.safetensors",
+          models_dir / "diffusion_models" / "ernie-image-turbo.safetensors")
+    text_encoder = save_text_encoder_single_file(pipe, models_dir / "text_encoders" / "ministral-3-3b.safetensors")
+    _link(text_encoder, models_dir / "text_encoders" / "ernie-image-prompt-enhancer.safetensors")
+    _link(turbo / "vae" / "diffusion_pytorch_model.safetensors", models_dir / "vae" / "flux2-vae.safetensors")
+    _link_tree(turbo, models_dir / "diffusers" / BASE)
+    (models_dir / _DONE).write_text("ok\n")
+    return models_dir
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models_dir", type=Path)
+    parser.add_argument("--true-size", action="store_true", help="the released sizes, on the GPU")
+    args = parser.parse_args()
+    write_models(args.models_dir, args.true_size)
+
+
+if __name__ == "__main__":
+    main()

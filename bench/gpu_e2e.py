@@ -1,0 +1,157 @@
+"""The GPU end-to-end check: every shareable workflow through a real ComfyUI, in every VRAM mode, on true-size models.
+
+    python bench/gpu_e2e.py                       # quick tier: default mode, every workflow (under 8 minutes)
+    python bench/gpu_e2e.py --tier full           # + --lowvram, --novram, emulated 24 GB and 16 GB cards
+    python bench/gpu_e2e.py --modes card24,fp8-unet --workflows ernie_image_low_vram
+    python bench/gpu_e2e.py --tiny --cpu          # the same on tiny models on the CPU (CI runs two workflows so)
+
+Writes true-size random-weight models in the real layouts once (``e2e_models.py``; about 37 GB under ``--work``),
+then runs one ComfyUI process per mode (``e2e_worker.py``), each running the API twins of ``tests/workflows/`` that
+ComfyUI 0.3.75 can run (the native-ERNIE twin needs ComfyUI >= 0.19; the remote-PE twin needs a server: both are
+listed as not run). Prints a table (result or error, first-run and warm seconds, whole-run peak GPU memory, the
+warnings, OOM retries and fallbacks ComfyUI logged) and writes it with every run's JSON under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TWINS = REPO / "tests" / "workflows"
+# Turbo first (run again after /free), the PE before the FP8 workflow: the order a user might meet them in.
+WORKFLOWS = ("ernie_image_turbo", "ernie_image_turbo_single_files", "ernie_image_pe_local", "ernie_image_low_vram",
+             "ernie_image_base", "ernie_image_cache_compile")
+NOT_RUN = {"ernie_image_turbo_native": "needs ComfyUI >= 0.19 (native ERNIE loaders); the check runs 0.3.75",
+           "ernie_image_pe_remote": "needs an OpenAI-compatible server; CPU tests run it against transformers serve"}
+# name: (ComfyUI flags, emulated card GiB). An emulated card uses torch's own allocator: its memory fraction is a hard
+# limit there, as a real card's size is (ComfyUI's default, cudaMallocAsync, is kept in every other mode).
+MODES = {
+    "default": ("", None), "lowvram": ("--lowvram", None), "novram": ("--novram", None),
+    "card24": ("--disable-cuda-malloc", 24.0), "card16": ("--disable-cuda-malloc", 16.0),
+    "gpu-only": ("--gpu-only", None), "highvram": ("--highvram", None),
+    "fp16-unet": ("--fp16-unet", None), "fp8-unet": ("--fp8_e4m3fn-unet", None), "bf16-unet": ("--bf16-unet", None),
+}
+TIERS = {"quick": ["default"], "full": ["default", "lowvram", "novram", "card24", "card16"]}
+
+
+def prepare(work: Path, true_size: bool) -> Path:
+    """The models folder, written once (in a process of its own: the GPU memory goes back when it ends)."""
+    models = work / "models"
+    start = time.perf_counter()
+    subprocess.run([sys.executable, str(REPO / "bench" / "e2e_models.py"), str(models),
+                    *(["--true-size"] if true_size else [])], check=True)
+    print(f"models ready in {time.perf_counter() - start:.0f} s: {models}", flush=True)
+    return models
+
+
+def base_directory(work: Path, mode: str, models: Path) -> Path:
+    """A fresh ComfyUI base directory per mode (its own PE cache), the pack under another folder name."""
+    base = work / f"base-{mode}-{int(time.time())}"
+    (base / "custom_nodes").mkdir(parents=True)
+    (base / "custom_nodes" / "comfyui-ernie-image").symlink_to(REPO, target_is_directory=True)
+    (base / "models").symlink_to(models, target_is_directory=True)
+    return base
+
+
+def run_mode(mode: str, args, models: Path, log, deadline: float) -> list[dict]:
+    flags, card = MODES[mode]
+    results = args.out / f"runs-{mode}.jsonl"
+    results.unlink(missing_ok=True)
+    base = base_directory(args.work, mode, models)
+    command = [sys.executable, str(REPO / "bench" / "e2e_worker.py"), "--comfyui", str(args.comfyui),
+               "--base", str(base), "--flags", flags + (" --cpu" if args.cpu else ""),
+               "--workflows", ",".join(str(TWINS / f"{w}.json") for w in args.workflows), "--json", str(results),
+               "--pe-tokens", str(args.pe_tokens)]
+    command += ["--card-gib", str(card)] if card else []
+    command += ["--size", "256"] if args.tiny else []
+    command += ["--base-steps", str(args.base_steps)] if args.base_steps else []
+    log.write(f"\n===== {mode}: {' '.join(command)}\n")
+    log.flush()
+    timed_out = False
+    try:
+        subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=max(deadline - time.time(), 1))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    rows = [json.loads(line) for line in results.read_text().splitlines()] if results.is_file() else []
+    if timed_out or not rows:
+        rows.append(dict(workflow="(process)", run="end", ok=False,
+                         error="timed out (the check's deadline)" if timed_out else "the process died: see the log"))
+    return [dict(mode=mode, **row) for row in rows]
+
+
+def _peak(runs: list[dict]) -> str:
+    allocated = max((r.get("peak_allocated_gib", 0) for r in runs), default=0)
+    reserved = max((r.get("peak_reserved_gib", 0) for r in runs), default=0)
+    return f"{allocated:.1f} / {reserved:.1f}" if reserved else "-"
+
+
+def table(rows: list[dict]) -> str:
+    """One line per mode and workflow: result, first-run and warm seconds, peak GiB, notes from ComfyUI's log."""
+    lines = ["| mode | workflow | result | first run s | warm s | peak GiB alloc / reserved | log notes |",
+             "|---|---|---|---|---|---|---|"]
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["mode"], row["workflow"]), []).append(row)
+    for (mode, workflow), runs in groups.items():
+        by_run = {r["run"]: r for r in runs}
+        failed = [r for r in runs if not r["ok"]]
+        result = "ok" if not failed else f"**{failed[0]['run']}: {failed[0].get('error', '?')[:160]}**"
+        if "/free" in by_run:
+            held = by_run["/free"]
+            result += f"; /free: {held['before']} → {held['after']}"
+        seconds = {run: f"{r['seconds']:.1f}" if r.get("seconds") else "-" for run, r in by_run.items()}
+        notes = sorted({note for r in runs for note in r.get("notes", [])})
+        first = seconds.get("first", "-") + (f" (after /free {seconds['after /free']})" if "after /free" in seconds
+                                             else "")
+        lines.append(f"| {mode} | {workflow} | {result} | {first} | {seconds.get('warm', '-')} | {_peak(runs)} | "
+                     f"{'<br>'.join(n.replace('|', '/')[:200] for n in notes[:6]) or '-'} |")
+    lines += [f"| - | {name} | not run: {why} | | | | |" for name, why in NOT_RUN.items()]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tier", choices=list(TIERS), default="quick")
+    parser.add_argument("--modes", help=f"comma-separated, instead of the tier's ({', '.join(MODES)})")
+    parser.add_argument("--workflows", default=",".join(WORKFLOWS), help="comma-separated twin names")
+    parser.add_argument("--tiny", action="store_true", help="tiny models (256² images) instead of true-size ones")
+    parser.add_argument("--cpu", action="store_true", help="ComfyUI on the CPU (--cpu)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/ernie-e2e"), help="models and ComfyUI folders")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "out" / "e2e")))
+    parser.add_argument("--comfyui", type=Path, default=next(
+        (p for p in (REPO / ".gpu" / "comfyui", REPO / ".cache" / "comfyui") if (p / "main.py").is_file()), None))
+    parser.add_argument("--pe-tokens", type=int, default=64, help="the PE's max_new_tokens (the workflows: 2048)")
+    parser.add_argument("--base-steps", type=int, help="cap the Base workflows' 50 steps (said in the table)")
+    parser.add_argument("--deadline-s", type=float, default=560.0, help="stop starting modes after this")
+    args = parser.parse_args()
+    args.workflows = args.workflows.split(",")
+    modes = args.modes.split(",") if args.modes else TIERS[args.tier]
+    deadline = time.time() + args.deadline_s
+    args.out.mkdir(parents=True, exist_ok=True)
+    models = prepare(args.work, true_size=not args.tiny)
+    rows: list[dict] = []
+    with (args.out / "e2e.log").open("a") as log:
+        for mode in modes:
+            if time.time() > deadline - 30:
+                rows.append(dict(mode=mode, workflow="(mode)", run="-", ok=False, error="not started: no time left"))
+                continue
+            start = time.perf_counter()
+            rows += run_mode(mode, args, models, log, deadline)
+            print(f"{mode}: {time.perf_counter() - start:.0f} s", flush=True)
+    report = table(rows)
+    (args.out / "e2e.md").write_text(report + "\n")
+    (args.out / "e2e.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(report)
+    if args.base_steps:
+        print(f"(Base workflows capped at {args.base_steps} steps; the PE at {args.pe_tokens} new tokens)")
+    sys.exit(0 if all(r["ok"] for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()
