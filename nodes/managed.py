@@ -81,6 +81,16 @@ class WholeModelPatcher(comfy.model_patcher.ModelPatcher):
         return 0  # frees nothing: ComfyUI then unloads the whole model
 
 
+def place(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``module`` on ``device``, moved outside inference mode, and only when some tensor is elsewhere: a move, even
+    to where a torchao weight already is, detaches it, which inference mode refuses ("Cannot set version_counter
+    for inference tensor", the FP8 loader inside ComfyUI on the H200)."""
+    if all(t.device == device for t in (*module.parameters(), *module.buffers())):
+        return module
+    with torch.inference_mode(False):
+        return module.to(device)
+
+
 def usable_memory(device: torch.device) -> int:
     """Memory a model may take on ``device`` now, as ComfyUI counts it: free memory (torch's cache included) less
     ComfyUI's reserve (``--reserve-vram``), never the driver's free memory alone."""
@@ -99,5 +109,5 @@ def text_model_patcher(module: torch.nn.Module) -> WholeModelPatcher:
     """A ModelPatcher that keeps ``module`` where ComfyUI keeps text encoders and loads it, whole, on demand."""
     load_device = comfy.model_management.text_encoder_device()
     offload_device = comfy.model_management.text_encoder_offload_device()
-    container = TextEncoderModule(module.to(offload_device), offload_device)
+    container = TextEncoderModule(place(module, offload_device), offload_device)
     return WholeModelPatcher(container, load_device=load_device, offload_device=offload_device)

@@ -16,7 +16,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 
 from comfyui_ernie_image.nodes.accel.quantize import quantization_device
 from comfyui_ernie_image.nodes.dit.model import make_model_patcher
-from comfyui_ernie_image.nodes.managed import WholeModelPatcher, usable_memory
+from comfyui_ernie_image.nodes.managed import WholeModelPatcher, place, usable_memory
 from comfyui_ernie_image.nodes.text.managed import ManagedTextEncoder
 from tiny_models import TINY_DIT
 
@@ -137,3 +137,17 @@ def test_usable_memory_is_comfyuis_free_memory_less_its_reserve(monkeypatch):
     monkeypatch.setattr(mm, "EXTRA_RESERVED_VRAM", 3 * 2**30)
     cpu = torch.device("cpu")
     assert abs(usable_memory(cpu) - (mm.get_free_memory(cpu) - 3 * 2**30)) < 2**26  # the free memory moves a little
+
+
+
+def test_models_are_placed_outside_inference_mode_and_only_when_elsewhere():
+    """Making the MODEL moved an FP8 DiT inside inference mode to where it already was, which failed on the H200
+    ("Couldn't swap Linear.weight": the move detaches each torchao weight, refused there); the CPU cannot run
+    torchao's path, so the moves themselves are watched."""
+    transformer = ErnieImageTransformer2DModel(**TINY_DIT)
+    moves = DeviceMoves()
+    with torch.inference_mode(), moves:
+        make_model_patcher(transformer)  # the weights are on the offload device (the CPU) already
+        assert moves.inference_mode == set()
+        place(transformer, GPU)
+    assert moves.inference_mode == {False} and {p.device.type for p in transformer.parameters()} == {"meta"}

@@ -25,7 +25,7 @@ import comfy.supported_models_base
 import torch
 
 from ..errors import ErnieImageError
-from ..managed import WholeModelPatcher
+from ..managed import WholeModelPatcher, place
 from .forward import ernie_forward
 from .schedule import DEFAULT_SHIFT
 
@@ -143,5 +143,5 @@ def make_model_patcher(transformer: torch.nn.Module, shift: float = DEFAULT_SHIF
     config.sampling_settings["shift"] = shift
     load_device = comfy.model_management.get_torch_device()
     offload_device = comfy.model_management.unet_offload_device()
-    model = ErnieImageModel(config, transformer.to(offload_device), device=offload_device)
+    model = ErnieImageModel(config, place(transformer, offload_device), device=offload_device)
     return WholeModelPatcher(model, load_device=load_device, offload_device=offload_device)
