@@ -55,6 +55,18 @@ def _true_size(cls, config) -> torch.nn.Module:
     return _randomise(module.to_empty(device="cuda").to(torch.bfloat16))
 
 
+@torch.no_grad()
+def _writes_words(pe: torch.nn.Module, tokenizer) -> torch.nn.Module:
+    """Random weights pick from 131072 ids, which the small test tokenizer cannot decode: an empty text. The (tied)
+    embedding rows of the tokenizer's word pieces get a large scale and every other row (special tokens included)
+    zeros, so sampling picks words and runs to ``max_new_tokens``, as a long real answer does."""
+    embed = pe.get_input_embeddings().weight
+    embed[:len(tokenizer)].normal_(0.0, 1.0)
+    embed[tokenizer.all_special_ids] = 0.0
+    embed[len(tokenizer):] = 0.0
+    return pe
+
+
 def true_size_pipeline():
     """The released architecture at full size with random weights, bf16 on the GPU."""
     from common import random_true_size_dit
@@ -68,6 +80,7 @@ def true_size_pipeline():
     )
 
     text_config = Ministral3Config(**TRUE_MINISTRAL)
+    pe_tokenizer = make_tokenizer(PE_CHAT_TEMPLATE)
     vision = PixtralVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                                  head_dim=32)  # never used by ERNIE-Image: kept small
     return ErnieImagePipeline(
@@ -76,8 +89,8 @@ def true_size_pipeline():
         text_encoder=_true_size(Mistral3Model, Mistral3Config(text_config=text_config, vision_config=vision)),
         tokenizer=make_tokenizer(),
         scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=4.0),
-        pe=_true_size(Ministral3ForCausalLM, text_config),
-        pe_tokenizer=make_tokenizer(PE_CHAT_TEMPLATE),
+        pe=_writes_words(_true_size(Ministral3ForCausalLM, text_config), pe_tokenizer),
+        pe_tokenizer=pe_tokenizer,
     )
 
 

@@ -292,3 +292,14 @@ def test_fault_injected_failure_of_the_fast_decoder_alone_falls_back_to_generate
     assert [r.getMessage() for r in caplog.records] == [
         "ERNIE-Image PE: fast decoding failed (inductor: failed to compile the decode step) where plain generate "
         "works; using plain generate from now on"]
+
+
+def test_cuda_graphs_are_not_used_under_comfyuis_cudamallocasync_allocator(monkeypatch):
+    """The compiled decode step's CUDA graphs fail at the first step under cudaMallocAsync (ComfyUI's default
+    allocator; seen on the H200), which then dropped fast decoding for plain generate."""
+    from comfyui_ernie_image.nodes.pe.decode import cuda_graphs_allowed
+
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
+    assert not cuda_graphs_allowed(torch.device("cuda", 0)) and cuda_graphs_allowed(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
+    assert cuda_graphs_allowed(torch.device("cuda", 0))

@@ -125,16 +125,21 @@ def _decode_step(model, cache_kwargs, token, position, mask, u, temperature, top
     return sample_top_p(logits, u, temperature, top_p)
 
 
-_compiled_step: Callable | None = None
+def cuda_graphs_allowed(device: torch.device) -> bool:
+    """Whether the compiled step may replay CUDA graphs on ``device``: not under the cudaMallocAsync allocator
+    (ComfyUI's default), where the first step fails ("cudaMallocAsync does not yet support checkPoolLiveAllocations",
+    torch 2.11 on the H200)."""
+    return device.type != "cuda" or torch.cuda.get_allocator_backend() != "cudaMallocAsync"
 
 
-def _compiled_decode_step() -> Callable:
-    """The decode step compiled once per process (CUDA graphs per shape bucket, re-recorded if weights move)."""
-    global _compiled_step
-    if _compiled_step is None:
-        logging.info("ERNIE-Image PE: the decode step compiles on first use of each shape bucket (about a minute)")
-        _compiled_step = torch.compile(_decode_step, mode="reduce-overhead", dynamic=False)
-    return _compiled_step
+@functools.cache
+def _compiled_decode_step(cuda_graphs: bool) -> Callable:
+    """The decode step compiled once per process: with CUDA graphs per shape bucket (re-recorded if weights move)
+    where ``cuda_graphs``, else inductor's kernels alone."""
+    logging.info("ERNIE-Image PE: the decode step compiles on first use of each shape bucket (about a minute)%s",
+                 "" if cuda_graphs else "; without CUDA graphs, which the cudaMallocAsync allocator does not support "
+                 "(ComfyUI's --disable-cuda-malloc allows them)")
+    return torch.compile(_decode_step, mode="reduce-overhead" if cuda_graphs else None, dynamic=False)
 
 
 def _recompile_limit() -> contextlib.AbstractContextManager:
@@ -263,7 +268,8 @@ class StaticDecoder:
         tokens[:, 0] = token
         finished = torch.isin(token, eos)
         position = positions[:, -1] + 1
-        step_fn = _compiled_decode_step() if self.compiled else _decode_step
+        graphs = self.compiled and cuda_graphs_allowed(device)
+        step_fn = _compiled_decode_step(graphs) if self.compiled else _decode_step
         steps = 1
         with _recompile_limit() if self.compiled else contextlib.nullcontext():
             while steps < params.max_new_tokens:
@@ -273,7 +279,7 @@ class StaticDecoder:
                     progress(steps)
                     if not ignore_eos and bool(finished[:batch].all()):
                         break
-                if self.compiled:
+                if graphs:
                     torch.compiler.cudagraph_mark_step_begin()
                 token = step_fn(self.model, cache_kwargs, token, position, mask, u[steps], temperature, top_p).clone()
                 tokens[:, steps] = token
