@@ -49,10 +49,12 @@ def _randomise(module: torch.nn.Module) -> torch.nn.Module:
     return module.eval()
 
 
-def _true_size(cls, config) -> torch.nn.Module:
+def _true_size(cls, config, device: str = "cuda") -> torch.nn.Module:
     with torch.device("meta"):
         module = cls(config)
-    return _randomise(module.to_empty(device="cuda").to(torch.bfloat16))
+    module = module.to_empty(device=device).to(torch.bfloat16)
+    module.tie_weights()  # to_empty gives the tied LM head a tensor of its own (a random PE then wrote no text)
+    return _randomise(module)
 
 
 @torch.no_grad()

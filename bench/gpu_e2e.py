@@ -65,7 +65,7 @@ def run_mode(mode: str, args, models: Path, log, deadline: float) -> list[dict]:
     results.unlink(missing_ok=True)
     base = base_directory(args.work, mode, models)
     command = [sys.executable, str(REPO / "bench" / "e2e_worker.py"), "--comfyui", str(args.comfyui),
-               "--base", str(base), "--flags", flags + (" --cpu" if args.cpu else ""),
+               "--base", str(base), "--flags=" + flags + (" --cpu" if args.cpu else ""),
                "--workflows", ",".join(str(TWINS / f"{w}.json") for w in args.workflows), "--json", str(results),
                "--pe-tokens", str(args.pe_tokens)]
     command += ["--card-gib", str(card)] if card else []
