@@ -48,6 +48,12 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.nelement() * tensor.element_size()
 
 
+def out_of_memory(error: torch.OutOfMemoryError, advice: str) -> torch.OutOfMemoryError:
+    """``error`` with ERNIE-Image's ``advice`` after it: still an out-of-memory error, so that ComfyUI frees its
+    models as for any other (its own tip is about batch sizes)."""
+    return torch.OutOfMemoryError(f"{error}\nERNIE-Image: {advice}")
+
+
 class WholeModelPatcher(comfy.model_patcher.ModelPatcher):
     """A ModelPatcher that never loads or unloads its model in part, and knows the true size of quantized weights."""
 
@@ -64,10 +70,8 @@ class WholeModelPatcher(comfy.model_patcher.ModelPatcher):
             with torch.inference_mode(False):
                 super().load(device_to, lowvram_model_memory, force_patch_weights, full_load=True)
         except torch.OutOfMemoryError as error:
-            # Still an out-of-memory error, so that ComfyUI frees its models as for any other; ComfyUI's own tip
-            # is about batch sizes, this says what the whole-model rule needs.
-            raise torch.OutOfMemoryError(
-                f"{error}\nERNIE-Image: {type(self.model).__name__} needs {self.model_size() / 2**30:.1f} GiB on "
+            raise out_of_memory(
+                error, f"{type(self.model).__name__} needs {self.model_size() / 2**30:.1f} GiB on "
                 f"{device_to or self.load_device} as a whole (the pack's models cannot be loaded in part). Make room: "
                 "quantize the DiT in its loader (fp8_per_row or int8_weight_only), put the Prompt Enhancer on "
                 "another device, or close other programs that use the GPU."

@@ -151,3 +151,25 @@ def test_models_are_placed_outside_inference_mode_and_only_when_elsewhere():
         assert moves.inference_mode == set()
         place(transformer, GPU)
     assert moves.inference_mode == {False} and {p.device.type for p in transformer.parameters()} == {"meta"}
+
+
+class OutOfMemoryInAttention(TorchFunctionMode):
+    """A GPU that fills up during sampling (injected: the CPU cannot run out of GPU memory)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 198.00 MiB")
+        return func(*args, **(kwargs or {}))
+
+
+def test_fault_injected_out_of_memory_while_sampling_says_how_to_make_room(tiny_models):
+    """As the Cache-DiT workflow on an emulated 16 GB card did on the H200 (the bf16 DiT fits, its caches not)."""
+    from helpers.accel import sample, tiny_patcher
+
+    with OutOfMemoryInAttention(), pytest.raises(torch.OutOfMemoryError) as raised:
+        sample(tiny_patcher(tiny_models["snapshot"]), steps=1)
+    assert str(raised.value) == (
+        "CUDA out of memory. Tried to allocate 198.00 MiB\nERNIE-Image: sampling ran out of GPU memory beside the "
+        "DiT's weights. Make room: quantize the DiT in its loader (fp8_per_row halves its weights), bypass ERNIE-Image "
+        "Cache-DiT (its caches take memory at every step), make the image smaller, or close other programs that use "
+        "the GPU.")

@@ -25,9 +25,16 @@ import comfy.supported_models_base
 import torch
 
 from ..errors import ErnieImageError
-from ..managed import WholeModelPatcher, place
+from ..managed import WholeModelPatcher, out_of_memory, place
 from .forward import ernie_forward
 from .schedule import DEFAULT_SHIFT
+
+# The DiT is loaded whole, so what is left for sampling is the card less its weights (15 GiB in bf16).
+SAMPLING_ADVICE = (
+    "sampling ran out of GPU memory beside the DiT's weights. Make room: quantize the DiT in its loader "
+    "(fp8_per_row halves its weights), bypass ERNIE-Image Cache-DiT (its caches take memory at every step), make the "
+    "image smaller, or close other programs that use the GPU."
+)
 
 
 class ErnieImageConfig(comfy.supported_models_base.BASE):
@@ -94,13 +101,16 @@ class ErnieImageDiffusionModel(torch.nn.Module):
     def forward(self, x, timestep, context, text_lens, transformer_options={}, **kwargs):
         # diffusers modules never call ComfyUI's per-op interrupt check: do it once per model call.
         comfy.model_management.throw_exception_if_processing_interrupted()
-        return comfy.patcher_extension.WrapperExecutor.new_class_executor(
-            self._forward,
-            self,
-            comfy.patcher_extension.get_all_wrappers(
-                comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, transformer_options
-            ),
-        ).execute(x, timestep, context, text_lens, transformer_options, **kwargs)
+        try:
+            return comfy.patcher_extension.WrapperExecutor.new_class_executor(
+                self._forward,
+                self,
+                comfy.patcher_extension.get_all_wrappers(
+                    comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, transformer_options
+                ),
+            ).execute(x, timestep, context, text_lens, transformer_options, **kwargs)
+        except torch.OutOfMemoryError as error:
+            raise out_of_memory(error, SAMPLING_ADVICE) from error
 
     def _forward(self, x, timestep, context, text_lens, transformer_options={}, **kwargs):
         expected = self.transformer.config.in_channels
