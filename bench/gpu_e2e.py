@@ -101,10 +101,13 @@ def table(rows: list[dict]) -> str:
     for (mode, workflow), runs in groups.items():
         by_run = {r["run"]: r for r in runs}
         failed = [r for r in runs if not r["ok"]]
-        result = "ok" if not failed else f"**{failed[0]['run']}: {failed[0].get('error', '?')[:160]}**"
+        error = " ".join(failed[0].get("error", "?").split())[:160] if failed else ""  # one line: a table cell
+        result = f"**{failed[0]['run']}: {error}**" if failed else "ok"
         if "/free" in by_run:
             held = by_run["/free"]
-            result += f"; /free: {held['before']} → {held['after']}"
+            result += "; /free: " + " → ".join(
+                f"{state.get('allocated_gib', '-')} / {state.get('reserved_gib', '-')} GiB" for state in
+                (held["before"], held["after"]))
         seconds = {run: f"{r['seconds']:.1f}" if r.get("seconds") else "-" for run, r in by_run.items()}
         notes = sorted({note for r in runs for note in r.get("notes", [])})
         first = seconds.get("first", "-") + (f" (after /free {seconds['after /free']})" if "after /free" in seconds
