@@ -13,6 +13,7 @@ import requests
 import websocket
 from PIL import Image
 
+from comfy_headless import free_port
 from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.locate import pe_choices
 from comfyui_ernie_image.nodes.pe.nodes import (
@@ -24,12 +25,17 @@ from comfyui_ernie_image.nodes.pe.nodes import (
 from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, SamplingParams
 from comfyui_ernie_image.nodes.pe.remote import RemotePromptEnhancer
 from comfyui_ernie_image.nodes.pe.runtime import Runtime
-from helpers.pe_servers import FaultServer, chat_reply
+from helpers.pe_servers import FaultServer, RecordingProxy, chat_reply
 
-# The headless ComfyUI inherits this process's environment when it starts: set the key before any test runs.
-KEY_ENV = "ERNIE_PE_E2E_API_KEY"
+# The headless ComfyUI inherits this process's environment when it starts: set the key, the server it is bound to,
+# and another service's secret that no workflow may name, before any test runs.
+KEY_ENV = "ERNIE_PE_API_KEY_E2E"
 SECRET = "sk-e2e-4f3c2b1a0987654321"
+KEY_SERVER_PORT = free_port()  # the e2e server the key is for, started by the test that uses it
 os.environ[KEY_ENV] = SECRET
+os.environ[f"{KEY_ENV}_URL"] = f"http://127.0.0.1:{KEY_SERVER_PORT}"
+FOREIGN_ENV, FOREIGN_SECRET = "AWS_SECRET_ACCESS_KEY", "aws-e2e-secret-0123456789"
+os.environ[FOREIGN_ENV] = FOREIGN_SECRET
 
 SNAPSHOT_PE = "diffusers/ERNIE-Image-Turbo-tiny"
 FOLDER_PE = "text_encoders/ernie-image-prompt-enhancer-tiny"
@@ -104,10 +110,15 @@ def test_a_size_not_multiple_of_16_is_a_clear_error(comfy_paths, user_dir):
 
 
 def test_the_remote_node_checks_its_inputs_without_contacting_anything():
-    (pe,) = ErnieImagePERemote.execute("http://127.0.0.1:9/v1", "", KEY_ENV, 5.0, 0).result
-    assert pe.base_url == "http://127.0.0.1:9" and pe.api_key_env == KEY_ENV
+    """Nothing listens on either port: every check is made before any request."""
+    (pe,) = ErnieImagePERemote.execute(f"http://127.0.0.1:{KEY_SERVER_PORT}/v1", "", KEY_ENV, 5.0, 0).result
+    assert str(pe.root) == f"http://127.0.0.1:{KEY_SERVER_PORT}/v1" and pe.api_key_env == KEY_ENV
     with pytest.raises(EnhancerError, match="api_key_env takes the NAME of an environment variable"):
         ErnieImagePERemote.execute("http://127.0.0.1:9", "", "sk-pasted-key-1234", 5.0, 0)
+    with pytest.raises(EnhancerError, match=f"the key in {KEY_ENV} is bound to http://127.0.0.1:{KEY_SERVER_PORT} "
+                                            rf"\({KEY_ENV}_URL\) but base_url is http://127.0.0.1:9, so the key was "
+                                            "not sent"):
+        ErnieImagePERemote.execute("http://127.0.0.1:9", "", KEY_ENV, 5.0, 0)
 
 
 # --- a running ComfyUI ---------------------------------------------------------------------------------------------
@@ -179,7 +190,7 @@ def _png_text(path) -> dict[str, str]:
 
 
 def test_e2e_the_api_key_reaches_the_server_but_no_workflow_history_or_png(comfy_server):
-    fault = FaultServer(default=chat_reply("a red cat, detailed, soft light"))
+    fault = FaultServer(default=chat_reply("a red cat, detailed, soft light"), port=KEY_SERVER_PORT)
     try:
         remote = {"class_type": "ErnieImagePERemote", "inputs": {"base_url": fault.url, "model": "pe",
                                                                  "api_key_env": KEY_ENV, "timeout_s": 30.0,
@@ -205,3 +216,22 @@ def test_e2e_the_api_key_reaches_the_server_but_no_workflow_history_or_png(comfy
             assert SECRET not in saved
     finally:
         fault.close()
+
+
+def test_e2e_a_workflow_naming_another_services_secret_is_refused_before_any_request(comfy_server):
+    recorder = RecordingProxy(f"http://127.0.0.1:{free_port()}")  # records whatever reaches it: nothing may
+    try:
+        remote = {"class_type": "ErnieImagePERemote", "inputs": {"base_url": recorder.url, "model": "pe",
+                                                                 "api_key_env": FOREIGN_ENV, "timeout_s": 30.0,
+                                                                 "max_retries": 0}}
+        result = comfy_server.run(enhance_graph(remote, "a shared workflow"))
+        assert result.status == "error"
+        message = result.error["exception_message"]
+        assert message.startswith(f"api_key_env {FOREIGN_ENV} is refused: api_key_env may name only "
+                                  "ERNIE_PE_API_KEY or ERNIE_PE_API_KEY_<NAME>")
+        assert "Fix: set ERNIE_PE_API_KEY_<NAME>=<your key> and ERNIE_PE_API_KEY_<NAME>_URL" in message
+        assert recorder.received == []
+        history = requests.get(f"{comfy_server.url}/history/{result.prompt_id}", timeout=30).text
+        assert FOREIGN_SECRET not in history + comfy_server.log()
+    finally:
+        recorder.close()

@@ -70,13 +70,17 @@ class ErnieImagePERemote(io.ComfyNode):
             "(POST /v1/chat/completions). Nothing is contacted until a prompt is enhanced.",
             inputs=[
                 io.String.Input("base_url", default="http://127.0.0.1:8000",
-                                tooltip="The server's root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)."),
+                                tooltip="The API root, as the OpenAI client's base_url: http(s)://host:port and an "
+                                "optional path prefix (/v1, /llm/lmapi/v3); a bare host means its /v1. No query, "
+                                "fragment or user:password. Redirects are not followed."),
                 io.String.Input("model", default="", tooltip="Empty: the first model the server lists."),
                 io.String.Input("api_key_env", default="",
-                                tooltip="The NAME of an environment variable holding the API key (never the key "
-                                "itself: widget values are saved in workflows and images). Empty: no key."),
+                                tooltip="Empty: no key. Otherwise ERNIE_PE_API_KEY or ERNIE_PE_API_KEY_<NAME>: the "
+                                "NAME of an environment variable holding the key (never the key: workflows are "
+                                "saved in images and shared). The key is sent only to the server whose address is in "
+                                "<that name>_URL, also set in the environment; any other name or server is refused."),
                 io.Float.Input("timeout_s", default=120.0, min=1.0, max=3600.0, step=1.0,
-                               tooltip="Seconds to wait for one answer."),
+                               tooltip="Seconds for one request as a whole: connecting and the entire answer."),
                 io.Int.Input("max_retries", default=3, min=0, max=10,
                              tooltip="Retries on connection errors, timeouts, 408, 429 and 5xx (backoff, jitter)."),
             ],
