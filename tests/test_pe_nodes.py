@@ -121,6 +121,22 @@ def test_the_remote_node_checks_its_inputs_without_contacting_anything():
         ErnieImagePERemote.execute("http://127.0.0.1:9", "", KEY_ENV, 5.0, 0)
 
 
+def test_the_cache_input_is_last_optional_and_means_use_when_absent():
+    """Added last and optional: a workflow saved before it loads unchanged (the API twins and graphs here that
+    lack it run as "use")."""
+    cache = ErnieImagePromptEnhance.define_schema().inputs[-1]
+    assert (cache.id, cache.options, cache.default, cache.optional) == ("cache", ["use", "refresh", "off"], "use", True)
+    fingerprint = ErnieImagePromptEnhance.fingerprint_inputs
+    assert fingerprint(cache=["use"], seed=[0]) == fingerprint(cache=["use"], seed=[0]) == fingerprint(seed=[0])
+    assert fingerprint(cache=["refresh"]) != fingerprint(cache=["refresh"])  # ComfyUI runs the node at every run
+
+
+def test_cache_off_stores_nothing(comfy_paths, user_dir):
+    (pe,) = ErnieImagePELoader.execute(SNAPSHOT_PE, "cpu", "float32").result
+    output = ErnieImagePromptEnhance.execute(**enhance_inputs(["a cat"], pe), cache=["off"])
+    assert output.result[0][0] and not (user_dir / "ernie_image").exists()
+
+
 # --- a running ComfyUI ---------------------------------------------------------------------------------------------
 
 
@@ -235,3 +251,16 @@ def test_e2e_a_workflow_naming_another_services_secret_is_refused_before_any_req
         assert FOREIGN_SECRET not in history + comfy_server.log()
     finally:
         recorder.close()
+
+
+def _cached_nodes(result) -> set[str]:
+    return {node for kind, data in result.messages if kind == "execution_cached" for node in data["nodes"]}
+
+
+def test_e2e_refresh_enhances_at_every_run_and_use_reuses(comfy_server):
+    for mode, rerun in (("use", False), ("refresh", True)):
+        graph = enhance_graph(FOLDER_LOADER, f"cache {mode}", max_new_tokens=4, cache=mode)
+        first, second = comfy_server.run(graph), comfy_server.run(graph)
+        assert first.status == second.status == "success", second.error
+        assert ("2" in _cached_nodes(second)) is not rerun, (mode, _cached_nodes(second))
+        assert second.outputs["3"] == first.outputs["3"]  # the same text either way

@@ -15,12 +15,13 @@ import comfy.model_management as mm
 import pytest
 import requests
 
+from comfyui_ernie_image.nodes.pe.cache import ResultCache, cache_key, enhance_cached
 from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
 from comfyui_ernie_image.nodes.pe.nodes import ErnieImagePERemote
 from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, SamplingParams, chat_messages
 from comfyui_ernie_image.nodes.pe.remote import RemotePromptEnhancer
 from comfyui_ernie_image.nodes.pe.runtime import Runtime
-from helpers.pe_servers import FaultServer, RecordingProxy, Reply, chat_reply, transformers_serve
+from helpers.pe_servers import FaultServer, RecordingProxy, Reply, chat_reply, models_reply, transformers_serve
 
 PROMPT = [PromptSpec("a big dog on a red mat", 848, 1264)]
 SAMPLED = SamplingParams(temperature=0.6, top_p=0.8, max_new_tokens=20, seed=3)
@@ -346,3 +347,61 @@ def test_https_checks_the_certificate_and_trusts_a_given_bundle_fault_server(tls
     monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(cert))  # the user's own certificate authority, as requests reads it
     assert remote(url, model="pe").enhance(PROMPT, SAMPLED)[0].text == "a default answer"
     assert server.received[0].headers["Host"] == f"localhost:{server.port}"
+
+
+# --- the remote identity: the server's model and, where it tells, its revision -------------------------------------
+
+
+def test_the_remote_identity_names_the_model_the_real_server_reports(pe_server):
+    (listed,) = requests.get(f"{pe_server}/v1/models", timeout=10).json()["data"]
+    pe = remote(pe_server)
+    # transformers serve dates the checkpoints of the hub cache; a local folder's `created` is 0.
+    assert pe.identity == f'remote:{pe_server}/v1|{listed["id"]}|{{"created": 0}}'
+    assert remote(pe_server, model=listed["id"]).identity == pe.identity
+    assert remote(pe_server, model="an-alias").identity == f"remote:{pe_server}/v1|an-alias|"  # not listed
+
+
+LISTED = {"id": "pe", "object": "model", "created": 1_700_000_000, "root": "/models/pe-v1", "parent": None}
+
+
+@pytest.mark.parametrize("change", [{"id": "pe-2"}, {"root": "/models/pe-v2"}, {"parent": "baidu/ERNIE-Image-Turbo"},
+                                    {"created": 1_800_000_000}], ids=["id", "root", "parent", "created"])
+def test_each_remote_identity_field_changes_the_key_fault_server(fault, change):
+    fault.models = models_reply(LISTED)
+    pe = remote(fault.url)
+    before = cache_key(pe.identity, PROMPT[0], SAMPLED)
+    assert cache_key(pe.identity, PROMPT[0], SAMPLED) == before
+    fault.models = models_reply({**LISTED, **change})
+    assert cache_key(pe.identity, PROMPT[0], SAMPLED) != before
+
+
+def test_the_api_root_is_part_of_the_remote_identity_fault_server(fault):
+    assert remote(fault.url).identity != remote(f"{fault.url}/v2").identity
+    assert [r.path for r in fault.received] == ["/v1/models", "/v2/models"]
+
+
+def test_a_listing_stamped_with_the_time_of_the_request_is_not_a_revision_fault_server(fault):
+    """vLLM and SGLang give each listed model the time of the listing as `created`: not a checkpoint's date."""
+    fault.models = Reply(body=lambda request: {"data": [{"id": "pe", "created": int(time.time()), "root": "/m"}]})
+    pe = remote(fault.url)
+    first = pe.identity
+    time.sleep(1.1)
+    assert pe.identity == first == f'remote:{fault.url}/v1|pe|{{"root": "/m"}}'
+
+
+def test_a_server_that_swaps_its_checkpoint_is_asked_again_fault_server(fault, tmp_path):
+    cache, pe = ResultCache(tmp_path / "pe.sqlite3"), remote(fault.url, model="pe")
+    fault.models, fault.default = models_reply({"id": "pe", "root": "/ckpt/v1"}), chat_reply("a text of v1")
+    for _ in range(2):
+        assert enhance_cached(pe, PROMPT, SAMPLED, cache)[0].text == "a text of v1"
+    assert len(fault.chats) == 1
+    fault.models, fault.default = models_reply({"id": "pe", "root": "/ckpt/v2"}), chat_reply("a text of v2")
+    assert enhance_cached(pe, PROMPT, SAMPLED, cache)[0].text == "a text of v2"
+    assert len(fault.chats) == 2
+
+
+def test_a_server_without_a_model_listing_is_known_by_the_given_name_fault_server(fault):
+    fault.models = Reply(404, {"detail": "Not Found"})
+    assert remote(fault.url, model="pe").identity == f"remote:{fault.url}/v1|pe|"
+    with pytest.raises(EnhancerError, match=rf"^{fault.url}/v1/models answered HTTP 404: Not Found \(check base_url"):
+        remote(fault.url).resolved_model()  # without a model name, the listing is needed

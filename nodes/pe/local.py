@@ -7,17 +7,20 @@ torch here, ComfyUI's model management and interrupt in ``comfy_runtime`` when r
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from ..model_files import read_json
 from .decode import StaticDecoder, generate_plain, kv_cache_bytes
 from .fused import fuse_mlp_projections
 from .protocol import Completion, GenerationStopped, PromptSpec, ResultCallback, SamplingParams
 from .runtime import Runtime, default_runtime
-from .weights import PESource, path_source, snapshot_source
+from .weights import BAIDU_CHAT_TEMPLATE, PESource, path_source, snapshot_source
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DECODE_MODES = ("auto", "generate", "static", "static-compiled")
@@ -67,7 +70,23 @@ class LocalPromptEnhancer:
 
     @property
     def identity(self) -> str:
-        return f"local:{self.source.identity()}|{self.dtype_name}"
+        """Everything that changes the text: the weight and tokenizer files, the chat template, and the dtype, device
+        and decode path as this handle resolves "auto" and "default" (the same before and after loading)."""
+        device = self.runtime.device(self.device_name)
+        dtype = str(self._dtype(device)).removeprefix("torch.")
+        return (f"local:{self.source.identity()}|template={_template_digest(self.source)}|dtype={dtype}"
+                f"|device={_device_label(device)}|decode={self._decode_path(device)}")
+
+    def _dtype(self, device: torch.device) -> torch.dtype:
+        return DTYPES.get(self.dtype_name) or _auto_dtype(device)
+
+    def _decode_path(self, device: torch.device) -> str:
+        """The decode path: once loaded, the one in use (a failed fast path falls back to generate for good)."""
+        if self._model is None:
+            return _resolve_decode(self.decode, device)
+        if self._decoder is None:
+            return "generate"
+        return "static-compiled" if self._decoder.compiled else "static"
 
     @property
     def loaded(self) -> bool:
@@ -80,12 +99,9 @@ class LocalPromptEnhancer:
         if self._model is not None:
             return
         device = self.runtime.device(self.device_name)
-        dtype = DTYPES.get(self.dtype_name) or _auto_dtype(device)
-        model, tokenizer = self.source.load(dtype)
+        model, tokenizer = self.source.load(self._dtype(device))
         fuse_mlp_projections(model)  # one product for gate and up: decode steps stream the weights faster
-        mode = self.decode
-        if mode == "auto":
-            mode = "static-compiled" if device.type == "cuda" and _compiler_available() else "generate"
+        mode = _resolve_decode(self.decode, device)
         self._decoder = StaticDecoder(model, compiled=mode == "static-compiled") if mode != "generate" else None
         self._load = self.runtime.manage(model, device, on_unload=self._release_caches)
         self._model, self._tokenizer, self._device = model, tokenizer, device
@@ -164,6 +180,39 @@ class LocalPromptEnhancer:
         end = next((i for i, t in enumerate(tokens) if t in eos), None)
         text = self._tokenizer.decode(tokens[:end], skip_special_tokens=True).strip()
         return Completion(text, truncated=end is None and len(tokens) >= params.max_new_tokens)
+
+
+def _resolve_decode(mode: str, device: torch.device) -> str:
+    """``auto``: the compiled static-cache path on CUDA with a compiler, plain ``generate`` elsewhere."""
+    if mode != "auto":
+        return mode
+    return "static-compiled" if device.type == "cuda" and _compiler_available() else "generate"
+
+
+def _device_label(device: torch.device) -> str:
+    """The device as far as it changes the text: its kind and, for a GPU, its model (kernels, and so the last bits
+    of the logits, differ between GPU models; two cards of one model give the same text, whatever their index)."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def _template_digest(source: PESource) -> str:
+    """The chat template the tokenizer will render, hashed without loading it: the tokenizer folder's
+    ``chat_template.jinja`` and ``tokenizer_config.json``'s ``chat_template``, or Baidu's where it has neither and
+    for ComfyUI's single file (which carries none)."""
+    texts = []
+    if source.tokenizer is not None:
+        jinja = source.tokenizer / "chat_template.jinja"
+        if jinja.is_file():
+            texts.append(jinja.read_text(encoding="utf-8"))
+        config = source.tokenizer / "tokenizer_config.json"
+        template = read_json(config).get("chat_template") if config.is_file() else None
+        if template:
+            texts.append(json.dumps(template, ensure_ascii=False))
+    if not texts:
+        texts.append(BAIDU_CHAT_TEMPLATE.read_text(encoding="utf-8"))
+    return hashlib.sha256("\0".join(texts).encode()).hexdigest()[:16]
 
 
 def _auto_dtype(device: torch.device) -> torch.dtype:
