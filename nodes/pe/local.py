@@ -10,12 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
 from ..model_files import read_json
+from .batching import MAX_ROWS, PromptProgress, batch_rows, next_batch, row_bytes
 from .decode import StaticDecoder, generate_plain, kv_cache_bytes
 from .fused import fuse_mlp_projections
 from .protocol import Completion, GenerationStopped, PromptSpec, ResultCallback, SamplingParams
@@ -113,26 +114,68 @@ class LocalPromptEnhancer:
     def enhance(
         self, specs: Sequence[PromptSpec], params: SamplingParams, on_result: ResultCallback | None = None
     ) -> list[Completion]:
-        """Enhance all prompts as one batch (``on_result`` gets every text at the end); raises the host's interrupt
-        when stopped."""
+        """Enhance all prompts, in batches that fit the device (``batching``); ``on_result`` gets each batch's texts
+        as soon as it is done, so that a later failure or a Cancel loses none of them. The host's progress bar
+        counts prompts. Raises the host's interrupt when stopped."""
         if not specs:
             return []
         self._ensure_loaded()
-        input_ids, attention_mask = self._encode(specs)
-        batch, length = input_ids.shape
-        self._load(kv_cache_bytes(self._model.config, *StaticDecoder.shape(batch, length, params.max_new_tokens),
-                                  self._model.dtype))
-        input_ids, attention_mask = input_ids.to(self._device), attention_mask.to(self._device)
+        rows = self._plan_rows(specs, params)
+        pad = self._decoder is not None and rows < len(specs)  # every batch in one static-cache bucket
+        bar = self.runtime.progress(len(specs))
+        completions: list[Completion] = []
         try:
-            tokens = self._generate(input_ids, attention_mask, params)
+            while len(completions) < len(specs):
+                if self.runtime.should_stop():
+                    raise GenerationStopped("stopped between two batches")
+                done = len(completions)
+                batch = specs[done:done + next_batch(done, len(specs), rows)]
+                try:
+                    texts = self._enhance_batch(batch, params, rows if pad else len(batch), bar, done)
+                except torch.OutOfMemoryError:
+                    if rows == 1:
+                        raise
+                    rows = self._halve(rows)
+                    continue
+                for index, completion in enumerate(texts, start=done):
+                    if on_result is not None:
+                        on_result(index, completion)
+                completions += texts
+                bar(len(completions))
         except GenerationStopped:
             self.runtime.on_stopped()
             raise
-        completions = [self._completion(row, params) for row in tokens.cpu().tolist()]
-        if on_result is not None:
-            for index, completion in enumerate(completions):
-                on_result(index, completion)
         return completions
+
+    def _plan_rows(self, specs: Sequence[PromptSpec], params: SamplingParams) -> int:
+        """Prompts per batch: model management first makes room for a whole batch where it can (unloading other
+        models), then the host measures what is free beside the loaded weights."""
+        length = self._encode(specs)[0].shape[1]  # the longest prompt sizes every batch
+        per_row = row_bytes(self._model.config, length, params.max_new_tokens, self._model.dtype)
+        self._load(per_row * min(len(specs), MAX_ROWS))
+        return batch_rows(self.runtime.free_memory(self._device), per_row, len(specs), self._device)
+
+    def _halve(self, rows: int) -> int:
+        """After running out of memory (the estimate missed something): half the batch, the fast path's caches
+        dropped so that the smaller one has room."""
+        self._release_caches()
+        logging.warning("ERNIE-Image PE: out of memory with %d prompts in a batch; going on with %d", rows, rows // 2)
+        return rows // 2
+
+    def _enhance_batch(self, specs: Sequence[PromptSpec], params: SamplingParams, rows: int,
+                       bar: Callable[[float], None], done: int) -> list[Completion]:
+        """One batch, padded to ``rows`` with copies of its first prompt (their texts are dropped)."""
+        input_ids, attention_mask = self._encode([*specs, *[specs[0]] * (rows - len(specs))])
+        batch, length = input_ids.shape
+        self._load(kv_cache_bytes(self._model.config, *StaticDecoder.shape(batch, length, params.max_new_tokens),
+                                  self._model.dtype))
+        host = self.runtime
+        self.runtime = PromptProgress(host, bar, done, len(specs))  # what _generate reports moves the prompt bar
+        try:
+            tokens = self._generate(input_ids.to(self._device), attention_mask.to(self._device), params)
+        finally:
+            self.runtime = host
+        return [self._completion(row, params) for row in tokens[:len(specs)].cpu().tolist()]
 
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         args = (input_ids, attention_mask, params, self._eos_ids(), self._pad_id(), self.runtime.should_stop,

@@ -110,7 +110,7 @@ class ErnieImagePromptEnhance(io.ComfyNode):
             display_name="ERNIE-Image Prompt Enhance",
             category="ERNIE-Image",
             description="Rewrites a short prompt into the rich description ERNIE-Image was trained on (often in "
-            "Chinese). A list of prompts is enhanced as one batch (local) or concurrently "
+            "Chinese). A list of prompts is enhanced in batches that fit the device (local) or concurrently "
             "(remote). Results are cached by everything that changes the text: the backend (weights, template, "
             "dtype, device, decode path; or the server's model and revision), prompt, size, sampling and seed.",
             is_input_list=True,
