@@ -37,9 +37,8 @@ def pe_server(tiny_models, tmp_path_factory):
 
 @pytest.fixture
 def fault():
-    server = FaultServer()
-    yield server
-    server.close()
+    with FaultServer() as server:
+        yield server
 
 
 def remote(url: str, **options) -> RemotePromptEnhancer:

@@ -38,24 +38,20 @@ def pe_server(tiny_models, tmp_path_factory):
 @pytest.fixture
 def proxies(pe_server):
     """Two origins in front of the same real server: the one a key is set for, and another."""
-    mine, other = RecordingProxy(pe_server), RecordingProxy(pe_server)
-    yield mine, other
-    mine.close()
-    other.close()
+    with RecordingProxy(pe_server) as mine, RecordingProxy(pe_server) as other:
+        yield mine, other
 
 
 @pytest.fixture
 def fault():
-    server = FaultServer()
-    yield server
-    server.close()
+    with FaultServer() as server:
+        yield server
 
 
 @pytest.fixture
 def other_host():
-    server = FaultServer()
-    yield server
-    server.close()
+    with FaultServer() as server:
+        yield server
 
 
 def remote(url: str, **options) -> RemotePromptEnhancer:
@@ -180,12 +176,9 @@ def test_a_base_url_with_a_user_and_password_is_refused(proxies):
 def test_an_api_root_with_a_path_prefix_reaches_the_server(pe_server):
     """An API gateway's root (``/llm/lmapi/v3``, as Baidu AI Studio's): requests go to ``<root>/models`` and
     ``<root>/chat/completions``, exactly as the OpenAI client sends them."""
-    gateway = RecordingProxy(pe_server, prefix="/llm/lmapi/v3")
-    try:
+    with RecordingProxy(pe_server, prefix="/llm/lmapi/v3") as gateway:
         pe = remote_node(f"{gateway.url}/llm/lmapi/v3/")
         (completion,) = pe.enhance(PROMPT, SAMPLED)
-    finally:
-        gateway.close()
     assert [r.path for r in gateway.received] == ["/llm/lmapi/v3/models", "/llm/lmapi/v3/chat/completions"]
     direct = requests.post(f"{pe_server}/v1/chat/completions", timeout=60, json={
         "model": pe.resolved_model(), "messages": chat_messages("a big dog on a red mat", 848, 1264),
@@ -331,9 +324,8 @@ def tls_fault(tmp_path):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
                     "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True)
-    server = FaultServer(tls=(cert, key))
-    yield server, cert
-    server.close()
+    with FaultServer(tls=(cert, key)) as server:
+        yield server, cert
 
 
 def test_https_checks_the_certificate_and_trusts_a_given_bundle_fault_server(tls_fault, monkeypatch):

@@ -129,6 +129,12 @@ class _Server:
         self._httpd.shutdown()
         self._httpd.server_close()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 class FaultServer(_Server):
     """Answers chat requests from a script, in order (then ``default``), and model listings with ``models``; records
