@@ -179,23 +179,26 @@ def test_texts_finished_before_a_failure_are_cached(tiny_models, one_by_one, tmp
     assert sum(sizes) == 92
 
 
-def test_fault_injected_out_of_memory_halves_the_batch_and_loses_no_text(tiny_models, one_by_one, caplog):
-    """The estimate missed something (injected: the CPU does not run out): the batch halves, the list goes on."""
+@pytest.mark.parametrize(("decode", "batches"), [("generate", [4, 3, 3]), ("static", [4, 4, 4])])
+def test_fault_injected_out_of_memory_halves_the_batch_and_loses_no_text(tiny_models, one_by_one, caplog, decode,
+                                                                         batches):
+    """The estimate missed something (injected: the CPU does not run out): the batch halves, the list goes on; on
+    the fast path the smaller batches are padded to one bucket too."""
     runtime = Budget(free=None)
-    pe = handle(tiny_models, runtime)
-    runtime.free = free_for(pe, rows=8, specs=SPECS[:12])
+    pe = handle(tiny_models, runtime, decode)
+    runtime.free = free_for(pe, rows=16, specs=SPECS[:10])  # all ten fit, by the estimate
 
     def too_big(size: int, call: int) -> None:
-        if size > 2:
+        if size > 4:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     sizes = record_batches(pe, fail=too_big)
     with caplog.at_level(logging.WARNING):
-        assert [c.text for c in pe.enhance(SPECS[:12], PARAMS)] == one_by_one[:12]
-    assert sizes == [2] * 6
+        assert [c.text for c in pe.enhance(SPECS[:10], PARAMS)] == one_by_one[:10]
+    assert sizes == batches
     assert [r.getMessage() for r in caplog.records if "ERNIE-Image PE" in r.getMessage()] == [
-        "ERNIE-Image PE: out of memory with 8 prompts in a batch; going on with 4",
-        "ERNIE-Image PE: out of memory with 4 prompts in a batch; going on with 2"]
+        "ERNIE-Image PE: out of memory with 10 prompts in a batch; going on with 8",
+        "ERNIE-Image PE: out of memory with 8 prompts in a batch; going on with 4"]
 
 
 def test_comfyui_reports_its_free_memory_less_its_reserve(monkeypatch):

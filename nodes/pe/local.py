@@ -121,7 +121,6 @@ class LocalPromptEnhancer:
             return []
         self._ensure_loaded()
         rows = self._plan_rows(specs, params)
-        pad = self._decoder is not None and rows < len(specs)  # every batch in one static-cache bucket
         bar = self.runtime.progress(len(specs))
         completions: list[Completion] = []
         try:
@@ -130,6 +129,7 @@ class LocalPromptEnhancer:
                     raise GenerationStopped("stopped between two batches")
                 done = len(completions)
                 batch = specs[done:done + next_batch(done, len(specs), rows)]
+                pad = self._decoder is not None and rows < len(specs)  # every batch in one static-cache bucket
                 try:
                     texts = self._enhance_batch(batch, params, rows if pad else len(batch), bar, done)
                 except torch.OutOfMemoryError:
@@ -156,11 +156,12 @@ class LocalPromptEnhancer:
         return batch_rows(self.runtime.free_memory(self._device), per_row, len(specs), self._device)
 
     def _halve(self, rows: int) -> int:
-        """After running out of memory (the estimate missed something): half the batch, the fast path's caches
-        dropped so that the smaller one has room."""
+        """After running out of memory (the estimate missed something): the power of two below ``rows`` (about
+        half), the fast path's caches dropped so that the smaller batch has room."""
         self._release_caches()
-        logging.warning("ERNIE-Image PE: out of memory with %d prompts in a batch; going on with %d", rows, rows // 2)
-        return rows // 2
+        smaller = 1 << ((rows - 1).bit_length() - 1)
+        logging.warning("ERNIE-Image PE: out of memory with %d prompts in a batch; going on with %d", rows, smaller)
+        return smaller
 
     def _enhance_batch(self, specs: Sequence[PromptSpec], params: SamplingParams, rows: int,
                        bar: Callable[[float], None], done: int) -> list[Completion]:
