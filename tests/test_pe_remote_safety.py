@@ -6,6 +6,8 @@ which headers); misbehaving servers (redirects, trickles, huge answers) are the 
 
 from __future__ import annotations
 
+import re
+import socket
 import subprocess
 import threading
 import time
@@ -164,6 +166,21 @@ def test_a_base_url_with_a_query_or_more_than_a_root_is_refused(proxies, suffix,
     assert mine.received == []
 
 
+@pytest.mark.parametrize(("url", "reason"), [
+    ("http://[::1", r"Invalid IPv6 URL"),
+    ("http://[::g]:8000", r"'::g' (is not an IPv6 address|does not appear to be an IPv4 or IPv6 address)"),  # Python
+    ("http://pe-server:0", r"port 0"),
+    ("http://pe-server\t:8000", r"a space or control character"),  # urlsplit would drop it silently
+    ("http://pe-server\n:8000/v1", r"a space or control character"),
+    ("http://-pe-", r"'-pe-' is not a host name"),
+])
+def test_a_base_url_that_is_not_a_plain_address_is_refused(url, reason):
+    with pytest.raises(EnhancerError) as error:
+        remote(url)
+    assert re.fullmatch(rf"base_url {re.escape(repr(url))} is not a valid URL \({reason}\): write the server's host "
+                        r"and a port from 1 to 65535, e.g. http://127\.0\.0\.1:8000", str(error.value))
+
+
 def test_a_base_url_with_a_user_and_password_is_refused(proxies):
     mine, _ = proxies
     with pytest.raises(EnhancerError) as error:
@@ -190,6 +207,23 @@ def test_an_unknown_host_is_named():
     with pytest.raises(EnhancerError, match=r"cannot reach http://pe-server.invalid:8000/v1/chat/completions \(host "
                                             r"not found\), after 1 attempt\(s\)"):
         remote("http://pe-server.invalid:8000", model="pe", max_retries=0).enhance(PROMPT, SAMPLED)
+
+
+def test_a_connection_closed_before_any_answer_is_retried_and_named_fault_server():
+    """A fault server of one line: it accepts each connection and closes it at once."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+        def close_each(count: int) -> None:
+            for _ in range(count):
+                listener.accept()[0].close()
+
+        threading.Thread(target=close_each, args=(2,), daemon=True).start()
+        with pytest.raises(EnhancerError, match=rf"^cannot reach {url}/v1/chat/completions \(connection failed\), "
+                                                r"after 2 attempt\(s\)"):
+            remote(url, model="pe", max_retries=1).enhance(PROMPT, SAMPLED)
 
 
 # --- redirects and error texts (fault server) -------------------------------------------------------------------

@@ -52,7 +52,12 @@ def parse_api_root(base_url: str, what: str = "base_url") -> ApiRoot:
     example = "e.g. http://127.0.0.1:8000 or https://host/v1"
     if not re.match(r"https?://", text, re.IGNORECASE):
         raise EnhancerError(f"{what} must start with http:// or https://, got {text!r}")
-    parts = urlsplit(text)
+    if any(char.isspace() or not char.isprintable() for char in text):
+        raise _invalid(what, text, "a space or control character")
+    try:
+        parts = urlsplit(text)
+    except ValueError as error:  # brackets of an IPv6 address that do not close
+        raise _invalid(what, text, str(error)) from None
     if "?" in text or "#" in text:
         raise EnhancerError(f"{what} must not carry a query or fragment ('?…' or '#…'): it is an API root, the "
                             f"server's address and an optional path prefix only, {example}")
@@ -63,10 +68,14 @@ def parse_api_root(base_url: str, what: str = "base_url") -> ApiRoot:
     return ApiRoot(parts.scheme.lower(), host, port, _root_path(parts.path, what) or _DEFAULT_ROOT)
 
 
+def _invalid(what: str, text: str, reason: str) -> EnhancerError:
+    return EnhancerError(f"{what} {text!r} is not a valid URL ({reason}): write the server's host and a port from 1 "
+                         "to 65535, e.g. http://127.0.0.1:8000")
+
+
 def _host_and_port(parts, text: str, what: str) -> tuple[str, int]:
     def invalid(reason: str) -> EnhancerError:
-        return EnhancerError(f"{what} {text!r} is not a valid URL ({reason}): write the server's host and a port "
-                             "from 1 to 65535, e.g. http://127.0.0.1:8000")
+        return _invalid(what, text, reason)
 
     try:
         port = parts.port
