@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import shutil
 import sqlite3
 import time
 
 import pytest
+import torch
 
 from comfyui_ernie_image.nodes.pe import cache as cache_module
+from comfyui_ernie_image.nodes.pe import local as local_module
 from comfyui_ernie_image.nodes.pe.cache import ResultCache, cache_key, enhance_cached
-from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
+from comfyui_ernie_image.nodes.pe.local import DECODE_MODES, LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.protocol import Completion, EnhancerError, PromptSpec, SamplingParams
 from comfyui_ernie_image.nodes.pe.runtime import Runtime
 
@@ -179,3 +183,125 @@ def test_an_empty_text_is_an_error_not_a_cached_result(tmp_path):
     with pytest.raises(EnhancerError, match="the prompt enhancer returned no text for 'a cat'"):
         enhance_cached(Silent(), [PromptSpec("a cat")], PARAMS, cache)
     assert cache.get(cache_key("silent", PromptSpec("a cat"), PARAMS)) is None
+
+
+# --- the cache input: use / refresh / off -----------------------------------------------------------------------
+
+
+class Asked(Recording):
+    """Also counts the reads of the backend's identity (a remote backend asks its server for it)."""
+
+    def __init__(self, backend):
+        super().__init__(backend)
+        self.identity_reads = 0
+
+    @property
+    def identity(self) -> str:
+        self.identity_reads += 1
+        return self.backend.identity
+
+
+def test_refresh_enhances_again_and_replaces_the_stored_text(local_pe, tmp_path):
+    pe, cache = Asked(local_pe), ResultCache(tmp_path / "pe.sqlite3")
+    key = cache_key(local_pe.identity, PromptSpec("a cat"), PARAMS)
+    cache.put(key, Completion("a stale text"))
+    assert enhance_cached(pe, [PromptSpec("a cat")], PARAMS, cache) == [Completion("a stale text")]
+    fresh, again = enhance_cached(pe, [PromptSpec("a cat"), PromptSpec("a cat")], PARAMS, cache, "refresh")
+    assert fresh.text != "a stale text" and again == fresh
+    assert pe.calls == [["a cat"]]  # asked again, each distinct prompt once
+    assert ResultCache(tmp_path / "pe.sqlite3").get(key) == fresh  # replaced in the file
+    assert enhance_cached(pe, [PromptSpec("a cat")], PARAMS, cache) == [fresh]
+    assert pe.calls == [["a cat"]]
+
+
+def test_off_neither_reads_nor_stores_nor_asks_for_the_identity(local_pe, tmp_path):
+    pe, cache = Asked(local_pe), ResultCache(tmp_path / "pe.sqlite3")
+    stale = cache_key(local_pe.identity, PromptSpec("a cat"), PARAMS)
+    cache.put(stale, Completion("a stale text"))
+    texts = enhance_cached(pe, [PromptSpec("a cat"), PromptSpec("a dog"), PromptSpec("a cat")], PARAMS, cache, "off")
+    assert texts[0].text != "a stale text" and texts[0] == texts[2]
+    assert pe.calls == [["a cat", "a dog"]] and pe.identity_reads == 0
+    assert cache.get(stale) == Completion("a stale text")  # untouched
+    assert cache.get(cache_key(local_pe.identity, PromptSpec("a dog"), PARAMS)) is None  # not stored
+
+
+def test_an_unknown_cache_mode_is_named(local_pe):
+    with pytest.raises(ValueError, match=r"cache must be one of \('use', 'refresh', 'off'\), got 'clear'"):
+        enhance_cached(local_pe, [PromptSpec("a cat")], PARAMS, ResultCache(None), "clear")
+
+
+# --- the local identity: every field that changes the text changes the key ---------------------------------------
+
+
+def local(folder, **options) -> LocalPromptEnhancer:
+    return LocalPromptEnhancer.from_path(folder, runtime=Runtime(), **options)
+
+
+def key_of(pe) -> str:
+    return cache_key(pe.identity, PromptSpec("a cat"), PARAMS)
+
+
+def test_the_local_identity_records_the_resolved_dtype(tiny_models):
+    auto = local(tiny_models["pe_folder"], dtype="auto")
+    assert "|dtype=float32|" in auto.identity  # what "auto" is on the CPU, not "auto"
+    assert key_of(auto) == key_of(local(tiny_models["pe_folder"], dtype="float32"))
+    assert key_of(auto) != key_of(local(tiny_models["pe_folder"], dtype="bfloat16"))
+
+
+def test_the_local_identity_records_the_gpu_model_not_its_index(tiny_models, monkeypatch):
+    names = {0: "NVIDIA H200", 1: "NVIDIA H200", 2: "NVIDIA A100-SXM4-80GB"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: names[torch.device(device).index])
+
+    def on(device: str) -> str:
+        return key_of(local(tiny_models["pe_folder"], device=device, dtype="bfloat16", decode="generate"))
+
+    assert on("cuda:0") == on("cuda:1")
+    assert on("cuda:0") != on("cuda:2")
+    assert on("cuda:0") != key_of(local(tiny_models["pe_folder"], device="cpu", dtype="bfloat16", decode="generate"))
+
+
+def test_the_local_identity_records_the_decode_path_in_use(tiny_models):
+    keys = {mode: key_of(local(tiny_models["pe_folder"], decode=mode)) for mode in DECODE_MODES}
+    assert keys["auto"] == keys["generate"]  # what "auto" is on the CPU
+    assert len({keys["generate"], keys["static"], keys["static-compiled"]}) == 3
+    fell_back = local(tiny_models["pe_folder"], decode="static")
+    fell_back.enhance([PromptSpec("a cat")], SamplingParams(max_new_tokens=2))
+    assert key_of(fell_back) == keys["static"]  # loading changes nothing
+    fell_back._decoder = None  # what a failed fast path leaves: plain generate from then on
+    assert key_of(fell_back) == keys["generate"]
+
+
+def test_the_local_identity_is_the_same_before_and_after_loading(local_pe, tiny_models):
+    fresh = LocalPromptEnhancer.from_snapshot(tiny_models["snapshot"], runtime=Runtime())
+    before = fresh.identity
+    fresh.enhance([PromptSpec("a cat")], SamplingParams(max_new_tokens=2))
+    assert fresh.loaded and fresh.identity == before
+
+
+def _same_size_and_time(path, edit) -> None:
+    """Edit a file keeping its size and modification time: only its content tells the change."""
+    stat = path.stat()
+    path.write_text(edit(path.read_text(encoding="utf-8")), encoding="utf-8")
+    assert path.stat().st_size == stat.st_size
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_the_local_identity_records_the_chat_template_of_a_folder(tiny_models, tmp_path):
+    folder = tmp_path / "pe"
+    shutil.copytree(tiny_models["pe_folder"], folder)
+    before = key_of(local(folder))
+    template = folder / "chat_template.jinja"
+    if template.is_file():
+        _same_size_and_time(template, lambda text: text.replace("[INST]", "[ISNT]", 1))
+    else:
+        _same_size_and_time(folder / "tokenizer_config.json", lambda text: text.replace("[INST]", "[ISNT]", 1))
+    assert key_of(local(folder)) != before
+
+
+def test_the_local_identity_records_the_template_given_to_a_single_file(tiny_models, tmp_path, monkeypatch):
+    """ComfyUI's repack carries no template: the pack's copy of Baidu's is used, and it is part of the key."""
+    before = key_of(local(tiny_models["pe_single_file"]))
+    other = tmp_path / "chat_template.jinja"
+    other.write_text(local_module.BAIDU_CHAT_TEMPLATE.read_text(encoding="utf-8") + " ", encoding="utf-8")
+    monkeypatch.setattr(local_module, "BAIDU_CHAT_TEMPLATE", other)
+    assert key_of(local(tiny_models["pe_single_file"])) != before

@@ -170,14 +170,15 @@ def test_fault_injected_out_of_memory_is_raised_and_keeps_the_fast_path(tiny_mod
 
 
 class InterruptingRuntime(ComfyRuntime):
-    """ComfyUI's runtime that presses ComfyUI's interrupt once 8 tokens exist, and counts the stop checks after."""
+    """ComfyUI's runtime that presses ComfyUI's interrupt as soon as the progress bar moves (it counts prompts, and
+    generation moves it by fractions as tokens come), and counts the stop checks after."""
 
     def __init__(self):
         self.checks_after_interrupt = 0
 
     def progress(self, total: int):
-        def update(done: int) -> None:
-            if done >= 8:
+        def update(done: float) -> None:
+            if 0 < done < total:
                 mm.interrupt_current_processing(True)
 
         return update

@@ -13,6 +13,7 @@ import requests
 import websocket
 from PIL import Image
 
+from comfy_headless import free_port
 from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.locate import pe_choices
 from comfyui_ernie_image.nodes.pe.nodes import (
@@ -24,12 +25,17 @@ from comfyui_ernie_image.nodes.pe.nodes import (
 from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, SamplingParams
 from comfyui_ernie_image.nodes.pe.remote import RemotePromptEnhancer
 from comfyui_ernie_image.nodes.pe.runtime import Runtime
-from helpers.pe_servers import FaultServer, chat_reply
+from helpers.pe_servers import FaultServer, RecordingProxy, chat_reply
 
-# The headless ComfyUI inherits this process's environment when it starts: set the key before any test runs.
-KEY_ENV = "ERNIE_PE_E2E_API_KEY"
+# The headless ComfyUI inherits this process's environment when it starts: set the key, the server it is bound to,
+# and another service's secret that no workflow may name, before any test runs.
+KEY_ENV = "ERNIE_PE_API_KEY_E2E"
 SECRET = "sk-e2e-4f3c2b1a0987654321"
+KEY_SERVER_PORT = free_port()  # the e2e server the key is for, started by the test that uses it
 os.environ[KEY_ENV] = SECRET
+os.environ[f"{KEY_ENV}_URL"] = f"http://127.0.0.1:{KEY_SERVER_PORT}"
+FOREIGN_ENV, FOREIGN_SECRET = "AWS_SECRET_ACCESS_KEY", "aws-e2e-secret-0123456789"
+os.environ[FOREIGN_ENV] = FOREIGN_SECRET
 
 SNAPSHOT_PE = "diffusers/ERNIE-Image-Turbo-tiny"
 FOLDER_PE = "text_encoders/ernie-image-prompt-enhancer-tiny"
@@ -104,10 +110,31 @@ def test_a_size_not_multiple_of_16_is_a_clear_error(comfy_paths, user_dir):
 
 
 def test_the_remote_node_checks_its_inputs_without_contacting_anything():
-    (pe,) = ErnieImagePERemote.execute("http://127.0.0.1:9/v1", "", KEY_ENV, 5.0, 0).result
-    assert pe.base_url == "http://127.0.0.1:9" and pe.api_key_env == KEY_ENV
+    """Nothing listens on either port: every check is made before any request."""
+    (pe,) = ErnieImagePERemote.execute(f"http://127.0.0.1:{KEY_SERVER_PORT}/v1", "", KEY_ENV, 5.0, 0).result
+    assert str(pe.root) == f"http://127.0.0.1:{KEY_SERVER_PORT}/v1" and pe.api_key_env == KEY_ENV
     with pytest.raises(EnhancerError, match="api_key_env takes the NAME of an environment variable"):
         ErnieImagePERemote.execute("http://127.0.0.1:9", "", "sk-pasted-key-1234", 5.0, 0)
+    with pytest.raises(EnhancerError, match=f"the key in {KEY_ENV} is bound to http://127.0.0.1:{KEY_SERVER_PORT} "
+                                            rf"\({KEY_ENV}_URL\) but base_url is http://127.0.0.1:9, so the key was "
+                                            "not sent"):
+        ErnieImagePERemote.execute("http://127.0.0.1:9", "", KEY_ENV, 5.0, 0)
+
+
+def test_the_cache_input_is_last_optional_and_means_use_when_absent():
+    """Added last and optional: a workflow saved before it loads unchanged (the API twins and graphs here that
+    lack it run as "use")."""
+    cache = ErnieImagePromptEnhance.define_schema().inputs[-1]
+    assert (cache.id, cache.options, cache.default, cache.optional) == ("cache", ["use", "refresh", "off"], "use", True)
+    fingerprint = ErnieImagePromptEnhance.fingerprint_inputs
+    assert fingerprint(cache=["use"], seed=[0]) == fingerprint(cache=["use"], seed=[0]) == fingerprint(seed=[0])
+    assert fingerprint(cache=["refresh"]) != fingerprint(cache=["refresh"])  # ComfyUI runs the node at every run
+
+
+def test_cache_off_stores_nothing(comfy_paths, user_dir):
+    (pe,) = ErnieImagePELoader.execute(SNAPSHOT_PE, "cpu", "float32").result
+    output = ErnieImagePromptEnhance.execute(**enhance_inputs(["a cat"], pe), cache=["off"])
+    assert output.result[0][0] and not (user_dir / "ernie_image").exists()
 
 
 # --- a running ComfyUI ---------------------------------------------------------------------------------------------
@@ -142,20 +169,21 @@ def test_e2e_interrupt_stops_the_enhancer_and_the_next_prompt_runs(comfy_server)
     graph = enhance_graph(FOLDER_LOADER, "a long run", max_new_tokens=8192)
     response = requests.post(f"{comfy_server.url}/prompt", json={"prompt": graph, "client_id": client_id}, timeout=30)
     prompt_id = response.json()["prompt_id"]
-    tokens_at_interrupt, events = None, []
+    progress_at_interrupt, events = None, []
     while True:
         message = ws.recv()
         event = json.loads(message) if isinstance(message, str) else {"type": "binary", "data": {}}
         events.append(event["type"])
         data = event["data"]
-        if event["type"] == "progress" and data.get("node") == "2" and tokens_at_interrupt is None:
-            tokens_at_interrupt, interrupted_at = data["value"], time.monotonic()
+        if event["type"] == "progress" and data.get("node") == "2" and progress_at_interrupt is None:
+            progress_at_interrupt, interrupted_at = (data["value"], data["max"]), time.monotonic()
             comfy_server.interrupt()
         if event["type"] in ("execution_interrupted", "execution_success", "execution_error"):
             break
     ws.close()
     assert events[-1] == "execution_interrupted", events[-5:]
-    assert tokens_at_interrupt < 8192 and time.monotonic() - interrupted_at < 5
+    value, most = progress_at_interrupt  # the bar counts prompts: a part of the one prompt was done
+    assert most == 1 and 0 < value < 1 and time.monotonic() - interrupted_at < 5
     assert comfy_server.wait(prompt_id).status == "error"
     assert comfy_server.run(enhance_graph(FOLDER_LOADER, "next", max_new_tokens=4)).status == "success"
 
@@ -179,7 +207,7 @@ def _png_text(path) -> dict[str, str]:
 
 
 def test_e2e_the_api_key_reaches_the_server_but_no_workflow_history_or_png(comfy_server):
-    fault = FaultServer(default=chat_reply("a red cat, detailed, soft light"))
+    fault = FaultServer(default=chat_reply("a red cat, detailed, soft light"), port=KEY_SERVER_PORT)
     try:
         remote = {"class_type": "ErnieImagePERemote", "inputs": {"base_url": fault.url, "model": "pe",
                                                                  "api_key_env": KEY_ENV, "timeout_s": 30.0,
@@ -205,3 +233,35 @@ def test_e2e_the_api_key_reaches_the_server_but_no_workflow_history_or_png(comfy
             assert SECRET not in saved
     finally:
         fault.close()
+
+
+def test_e2e_a_workflow_naming_another_services_secret_is_refused_before_any_request(comfy_server):
+    recorder = RecordingProxy(f"http://127.0.0.1:{free_port()}")  # records whatever reaches it: nothing may
+    try:
+        remote = {"class_type": "ErnieImagePERemote", "inputs": {"base_url": recorder.url, "model": "pe",
+                                                                 "api_key_env": FOREIGN_ENV, "timeout_s": 30.0,
+                                                                 "max_retries": 0}}
+        result = comfy_server.run(enhance_graph(remote, "a shared workflow"))
+        assert result.status == "error"
+        message = result.error["exception_message"]
+        assert message.startswith(f"api_key_env {FOREIGN_ENV} is refused: api_key_env may name only "
+                                  "ERNIE_PE_API_KEY or ERNIE_PE_API_KEY_<NAME>")
+        assert "Fix: set ERNIE_PE_API_KEY_<NAME>=<your key> and ERNIE_PE_API_KEY_<NAME>_URL" in message
+        assert recorder.received == []
+        history = requests.get(f"{comfy_server.url}/history/{result.prompt_id}", timeout=30).text
+        assert FOREIGN_SECRET not in history + comfy_server.log()
+    finally:
+        recorder.close()
+
+
+def _cached_nodes(result) -> set[str]:
+    return {node for kind, data in result.messages if kind == "execution_cached" for node in data["nodes"]}
+
+
+def test_e2e_refresh_enhances_at_every_run_and_use_reuses(comfy_server):
+    for mode, rerun in (("use", False), ("refresh", True)):
+        graph = enhance_graph(FOLDER_LOADER, f"cache {mode}", max_new_tokens=4, cache=mode)
+        first, second = comfy_server.run(graph), comfy_server.run(graph)
+        assert first.status == second.status == "success", second.error
+        assert ("2" in _cached_nodes(second)) is not rerun, (mode, _cached_nodes(second))
+        assert second.outputs["3"] == first.outputs["3"]  # the same text either way

@@ -18,6 +18,7 @@ from .protocol import Completion, EnhancerError, PromptEnhancer, PromptSpec, Sam
 
 _SCHEMA = "CREATE TABLE IF NOT EXISTS results (key TEXT PRIMARY KEY, text TEXT NOT NULL, truncated INTEGER NOT NULL, "
 _SCHEMA += "used REAL NOT NULL)"
+CACHE_MODES = ("use", "refresh", "off")
 _BUSY_TIMEOUT_S = 5.0  # how long a statement waits for another process's lock on the file
 # SQLite's result codes (extended ones start with these) for a sound file that cannot be used at the moment.
 _PASSING_ERRORS = ("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_READONLY", "SQLITE_FULL", "SQLITE_IOERR", "SQLITE_CANTOPEN")
@@ -124,12 +125,17 @@ class ResultCache:
 
 
 def enhance_cached(
-    enhancer: PromptEnhancer, specs: Sequence[PromptSpec], params: SamplingParams, cache: ResultCache
+    enhancer: PromptEnhancer, specs: Sequence[PromptSpec], params: SamplingParams, cache: ResultCache,
+    mode: str = "use",
 ) -> list[Completion]:
-    """Enhance ``specs`` in order, asking the backend only for prompts not cached (each distinct one once)."""
-    identity = enhancer.identity
+    """Enhance ``specs`` in order, each distinct prompt once. ``mode`` (``CACHE_MODES``): ``use`` asks the backend
+    only for prompts not cached and stores what it gets; ``refresh`` asks for all and replaces what was stored;
+    ``off`` asks for all and neither reads nor stores (nor asks the backend for its identity)."""
+    if mode not in CACHE_MODES:
+        raise ValueError(f"cache must be one of {CACHE_MODES}, got {mode!r}")
+    identity = enhancer.identity if mode != "off" else ""
     keys = [cache_key(identity, spec, params) for spec in specs]
-    found = {key: cache.get(key) for key in dict.fromkeys(keys)}
+    found = {key: cache.get(key) if mode == "use" else None for key in dict.fromkeys(keys)}
     missing = [key for key, completion in found.items() if completion is None]
     spec_of = dict(zip(keys, specs, strict=True))
 
@@ -138,7 +144,8 @@ def enhance_cached(
         key = missing[index]
         if not completion.text:
             raise EnhancerError(f"the prompt enhancer returned no text for {spec_of[key].prompt[:60]!r}")
-        cache.put(key, completion)
+        if mode != "off":
+            cache.put(key, completion)
 
     fresh = enhancer.enhance([spec_of[key] for key in missing], params, keep) if missing else []
     found.update(zip(missing, fresh, strict=True))

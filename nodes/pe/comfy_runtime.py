@@ -39,6 +39,12 @@ class ComfyRuntime(Runtime):
 
         return load
 
+    def free_memory(self, device: torch.device) -> int | None:
+        """What ComfyUI counts as free on ``device`` (its driver view plus torch's cached blocks; the CPU's available
+        RAM), less the VRAM it keeps for other programs (``--reserve-vram``)."""
+        reserved = mm.extra_reserved_memory() if hasattr(mm, "extra_reserved_memory") else 0
+        return max(int(mm.get_free_memory(device)) - int(reserved), 0)
+
     def should_stop(self) -> bool:
         return mm.processing_interrupted()
 

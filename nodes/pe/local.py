@@ -7,17 +7,21 @@ torch here, ComfyUI's model management and interrupt in ``comfy_runtime`` when r
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
+from ..model_files import read_json
+from .batching import MAX_ROWS, PromptProgress, batch_rows, next_batch, row_bytes
 from .decode import StaticDecoder, generate_plain, kv_cache_bytes
 from .fused import fuse_mlp_projections
 from .protocol import Completion, GenerationStopped, PromptSpec, ResultCallback, SamplingParams
 from .runtime import Runtime, default_runtime
-from .weights import PESource, path_source, snapshot_source
+from .weights import BAIDU_CHAT_TEMPLATE, PESource, path_source, snapshot_source
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DECODE_MODES = ("auto", "generate", "static", "static-compiled")
@@ -67,7 +71,23 @@ class LocalPromptEnhancer:
 
     @property
     def identity(self) -> str:
-        return f"local:{self.source.identity()}|{self.dtype_name}"
+        """Everything that changes the text: the weight and tokenizer files, the chat template, and the dtype, device
+        and decode path as this handle resolves "auto" and "default" (the same before and after loading)."""
+        device = self.runtime.device(self.device_name)
+        dtype = str(self._dtype(device)).removeprefix("torch.")
+        return (f"local:{self.source.identity()}|template={_template_digest(self.source)}|dtype={dtype}"
+                f"|device={_device_label(device)}|decode={self._decode_path(device)}")
+
+    def _dtype(self, device: torch.device) -> torch.dtype:
+        return DTYPES.get(self.dtype_name) or _auto_dtype(device)
+
+    def _decode_path(self, device: torch.device) -> str:
+        """The decode path: once loaded, the one in use (a failed fast path falls back to generate for good)."""
+        if self._model is None:
+            return _resolve_decode(self.decode, device)
+        if self._decoder is None:
+            return "generate"
+        return "static-compiled" if self._decoder.compiled else "static"
 
     @property
     def loaded(self) -> bool:
@@ -81,12 +101,9 @@ class LocalPromptEnhancer:
         if self._model is not None:
             return
         device = self.runtime.device(self.device_name)
-        dtype = DTYPES.get(self.dtype_name) or _auto_dtype(device)
-        model, tokenizer = self.source.load(dtype)
+        model, tokenizer = self.source.load(self._dtype(device))
         fuse_mlp_projections(model)  # one product for gate and up: decode steps stream the weights faster
-        mode = self.decode
-        if mode == "auto":
-            mode = "static-compiled" if device.type == "cuda" and _compiler_available() else "generate"
+        mode = _resolve_decode(self.decode, device)
         self._decoder = StaticDecoder(model, compiled=mode == "static-compiled") if mode != "generate" else None
         self._load = self.runtime.manage(model, device, on_unload=self._release_caches)
         self._model, self._tokenizer, self._device = model, tokenizer, device
@@ -98,26 +115,69 @@ class LocalPromptEnhancer:
     def enhance(
         self, specs: Sequence[PromptSpec], params: SamplingParams, on_result: ResultCallback | None = None
     ) -> list[Completion]:
-        """Enhance all prompts as one batch (``on_result`` gets every text at the end); raises the host's interrupt
-        when stopped."""
+        """Enhance all prompts, in batches that fit the device (``batching``); ``on_result`` gets each batch's texts
+        as soon as it is done, so that a later failure or a Cancel loses none of them. The host's progress bar
+        counts prompts. Raises the host's interrupt when stopped."""
         if not specs:
             return []
         self._ensure_loaded()
-        input_ids, attention_mask = self._encode(specs)
-        batch, length = input_ids.shape
-        self._load(kv_cache_bytes(self._model.config, *StaticDecoder.shape(batch, length, params.max_new_tokens),
-                                  self._model.dtype))
-        input_ids, attention_mask = input_ids.to(self._device), attention_mask.to(self._device)
+        rows = self._plan_rows(specs, params)
+        bar = self.runtime.progress(len(specs))
+        completions: list[Completion] = []
         try:
-            tokens = self._generate(input_ids, attention_mask, params)
+            while len(completions) < len(specs):
+                if self.runtime.should_stop():
+                    raise GenerationStopped("stopped between two batches")
+                done = len(completions)
+                batch = specs[done:done + next_batch(done, len(specs), rows)]
+                pad = self._decoder is not None and rows < len(specs)  # every batch in one static-cache bucket
+                try:
+                    texts = self._enhance_batch(batch, params, rows if pad else len(batch), bar, done)
+                except torch.OutOfMemoryError:
+                    if rows == 1:
+                        raise
+                    rows = self._halve(rows)
+                    continue
+                for index, completion in enumerate(texts, start=done):
+                    if on_result is not None:
+                        on_result(index, completion)
+                completions += texts
+                bar(len(completions))
         except GenerationStopped:
             self.runtime.on_stopped()
             raise
-        completions = [self._completion(row, params) for row in tokens.cpu().tolist()]
-        if on_result is not None:
-            for index, completion in enumerate(completions):
-                on_result(index, completion)
         return completions
+
+    def _plan_rows(self, specs: Sequence[PromptSpec], params: SamplingParams) -> int:
+        """Prompts per batch: model management first makes room for a whole batch where it can (unloading other
+        models), then the host measures what is free beside the loaded weights."""
+        length = self._encode(specs)[0].shape[1]  # the longest prompt sizes every batch
+        per_row = row_bytes(self._model.config, length, params.max_new_tokens, self._model.dtype)
+        self._load(per_row * min(len(specs), MAX_ROWS))
+        return batch_rows(self.runtime.free_memory(self._device), per_row, len(specs), self._device)
+
+    def _halve(self, rows: int) -> int:
+        """After running out of memory (the estimate missed something): the power of two below ``rows`` (about
+        half), the fast path's caches dropped so that the smaller batch has room."""
+        self._release_caches()
+        smaller = 1 << ((rows - 1).bit_length() - 1)
+        logging.warning("ERNIE-Image PE: out of memory with %d prompts in a batch; going on with %d", rows, smaller)
+        return smaller
+
+    def _enhance_batch(self, specs: Sequence[PromptSpec], params: SamplingParams, rows: int,
+                       bar: Callable[[float], None], done: int) -> list[Completion]:
+        """One batch, padded to ``rows`` with copies of its first prompt (their texts are dropped)."""
+        input_ids, attention_mask = self._encode([*specs, *[specs[0]] * (rows - len(specs))])
+        batch, length = input_ids.shape
+        self._load(kv_cache_bytes(self._model.config, *StaticDecoder.shape(batch, length, params.max_new_tokens),
+                                  self._model.dtype))
+        host = self.runtime
+        self.runtime = PromptProgress(host, bar, done, len(specs))  # what _generate reports moves the prompt bar
+        try:
+            tokens = self._generate(input_ids.to(self._device), attention_mask.to(self._device), params)
+        finally:
+            self.runtime = host
+        return [self._completion(row, params) for row in tokens[:len(specs)].cpu().tolist()]
 
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         args = (input_ids, attention_mask, params, self._eos_ids(), self._pad_id(), self.runtime.should_stop,
@@ -174,6 +234,39 @@ class LocalPromptEnhancer:
         end = next((i for i, t in enumerate(tokens) if t in eos), None)
         text = self._tokenizer.decode(tokens[:end], skip_special_tokens=True).strip()
         return Completion(text, truncated=end is None and len(tokens) >= params.max_new_tokens)
+
+
+def _resolve_decode(mode: str, device: torch.device) -> str:
+    """``auto``: the compiled static-cache path on CUDA with a compiler, plain ``generate`` elsewhere."""
+    if mode != "auto":
+        return mode
+    return "static-compiled" if device.type == "cuda" and _compiler_available() else "generate"
+
+
+def _device_label(device: torch.device) -> str:
+    """The device as far as it changes the text: its kind and, for a GPU, its model (kernels, and so the last bits
+    of the logits, differ between GPU models; two cards of one model give the same text, whatever their index)."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def _template_digest(source: PESource) -> str:
+    """The chat template the tokenizer will render, hashed without loading it: the tokenizer folder's
+    ``chat_template.jinja`` and ``tokenizer_config.json``'s ``chat_template``, or Baidu's where it has neither and
+    for ComfyUI's single file (which carries none)."""
+    texts = []
+    if source.tokenizer is not None:
+        jinja = source.tokenizer / "chat_template.jinja"
+        if jinja.is_file():
+            texts.append(jinja.read_text(encoding="utf-8"))
+        config = source.tokenizer / "tokenizer_config.json"
+        template = read_json(config).get("chat_template") if config.is_file() else None
+        if template:
+            texts.append(json.dumps(template, ensure_ascii=False))
+    if not texts:
+        texts.append(BAIDU_CHAT_TEMPLATE.read_text(encoding="utf-8"))
+    return hashlib.sha256("\0".join(texts).encode()).hexdigest()[:16]
 
 
 def _auto_dtype(device: torch.device) -> torch.dtype:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import functools
+import time
 from pathlib import Path
+from typing import Any
 
 import folder_paths
 import torch
 from comfy_api.v0_0_2 import io, ui
 
 from ..paths import check_choice
-from .cache import ResultCache, enhance_cached
+from .cache import CACHE_MODES, ResultCache, enhance_cached
 from .local import DTYPES, LocalPromptEnhancer
 from .locate import pe_choices, pe_path
 from .protocol import (
@@ -70,13 +72,17 @@ class ErnieImagePERemote(io.ComfyNode):
             "(POST /v1/chat/completions). Nothing is contacted until a prompt is enhanced.",
             inputs=[
                 io.String.Input("base_url", default="http://127.0.0.1:8000",
-                                tooltip="The server's root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)."),
+                                tooltip="The API root, as the OpenAI client's base_url: http(s)://host:port and an "
+                                "optional path prefix (/v1, /llm/lmapi/v3); a bare host means its /v1. No query, "
+                                "fragment or user:password. Redirects are not followed."),
                 io.String.Input("model", default="", tooltip="Empty: the first model the server lists."),
                 io.String.Input("api_key_env", default="",
-                                tooltip="The NAME of an environment variable holding the API key (never the key "
-                                "itself: widget values are saved in workflows and images). Empty: no key."),
+                                tooltip="Empty: no key. Otherwise ERNIE_PE_API_KEY or ERNIE_PE_API_KEY_<NAME>: the "
+                                "NAME of an environment variable holding the key (never the key: workflows are "
+                                "saved in images and shared). The key is sent only to the server whose address is in "
+                                "<that name>_URL, also set in the environment; any other name or server is refused."),
                 io.Float.Input("timeout_s", default=120.0, min=1.0, max=3600.0, step=1.0,
-                               tooltip="Seconds to wait for one answer."),
+                               tooltip="Seconds for one request as a whole: connecting and the entire answer."),
                 io.Int.Input("max_retries", default=3, min=0, max=10,
                              tooltip="Retries on connection errors, timeouts, 408, 429 and 5xx (backoff, jitter)."),
             ],
@@ -104,8 +110,9 @@ class ErnieImagePromptEnhance(io.ComfyNode):
             display_name="ERNIE-Image Prompt Enhance",
             category="ERNIE-Image",
             description="Rewrites a short prompt into the rich description ERNIE-Image was trained on (often in "
-            "Chinese). A list of prompts is enhanced as one batch (local) or concurrently (remote). Results are "
-            "cached by backend, prompt, size, sampling settings and seed.",
+            "Chinese). A list of prompts is enhanced in batches that fit the device (local) or concurrently "
+            "(remote). Results are cached by everything that changes the text: the backend (weights, template, "
+            "dtype, device, decode path; or the server's model and revision), prompt, size, sampling and seed.",
             is_input_list=True,
             inputs=[
                 ErniePEType.Input("pe", optional=True, tooltip="From a PE loader, the remote PE or the ERNIE-Image "
@@ -123,14 +130,24 @@ class ErnieImagePromptEnhance(io.ComfyNode):
                              tooltip="Longest enhanced prompt, in tokens; a warning says when a text was cut."),
                 io.Int.Input("seed", default=0, min=0, max=2**31 - 1, control_after_generate=True,
                              tooltip="The same seed gives the same text."),
+                # Last and optional: workflows saved before it load unchanged and mean "use".
+                io.Combo.Input("cache", options=list(CACHE_MODES), default="use", optional=True,
+                               tooltip="use: a stored text is reused when everything it depends on is the same; "
+                               "refresh: enhance again at every run and replace the stored text; off: neither read "
+                               "nor store."),
             ],
             outputs=[io.String.Output(display_name="prompt", is_output_list=True)],
         )
 
     @classmethod
+    def fingerprint_inputs(cls, cache: list[str] | None = None, **inputs) -> Any:
+        """refresh: a new value at every run, so that ComfyUI runs the node again instead of reusing its output."""
+        return time.time_ns() if cache and cache[0] == "refresh" else ""
+
+    @classmethod
     def execute(cls, prompt: list[str], width: list[int], height: list[int], enabled: list[bool],
                 temperature: list[float], top_p: list[float], max_new_tokens: list[int], seed: list[int],
-                pe: list | None = None) -> io.NodeOutput:
+                pe: list | None = None, cache: list[str] | None = None) -> io.NodeOutput:
         count = max(len(prompt), len(width), len(height))
         specs = [PromptSpec(prompt[min(i, len(prompt) - 1)], width[min(i, len(width) - 1)],
                             height[min(i, len(height) - 1)]) for i in range(count)]
@@ -146,7 +163,8 @@ class ErnieImagePromptEnhance(io.ComfyNode):
                 raise EnhancerError("No prompt enhancer is connected (or the snapshot has no pe/ folder): connect "
                                     "an ERNIE-Image PE loader or the remote PE, or turn 'enabled' off.")
             params = SamplingParams(temperature[0], top_p[0], max_new_tokens[0], seed[0])
-            texts = [c.text for c in enhance_cached(backend, specs, params, result_cache())]
+            mode = cache[0] if cache else "use"
+            texts = [c.text for c in enhance_cached(backend, specs, params, result_cache(), mode)]
         return io.NodeOutput(texts, ui=ui.PreviewText("\n\n".join(texts)))
 
 

@@ -1,43 +1,48 @@
 """The remote PE backend: any OpenAI-compatible server (vLLM, SGLang, ``transformers serve``) via
-``/v1/chat/completions``.
+``<base_url>/chat/completions``.
 
 Connection errors, timeouts, 408, 429 (Retry-After honoured) and 5xx are retried with exponential backoff and
-jitter; other 4xx fail at once. Answers are validated. The API key is read from the environment variable named by
-``api_key_env`` at each request and never stored. No ComfyUI.
+jitter; other 4xx fail at once; redirects are not followed. Each request is bounded (``bounded_http``): one deadline
+of ``timeout_s`` for the whole answer, a size cap, Cancel within a fraction of a second. The API key obeys
+``key_policy`` and is read from the environment at each request, never stored. Error texts quote no answer beyond
+the server's own JSON error message, capped. No ComfyUI.
 """
 
 from __future__ import annotations
 
 import contextlib
 import email.utils
-import os
+import json
 import random
 import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from urllib.parse import urljoin, urlsplit
 
-import requests
-from urllib3.exceptions import ReadTimeoutError
-
+from .bounded_http import Answer, HttpFailure, exchange
+from .key_policy import bound_key, check_key_name
 from .protocol import Completion, EnhancerError, GenerationStopped, PromptSpec, ResultCallback, SamplingParams
 from .runtime import Runtime
+from .url import parse_api_root
 
 _CONNECT_TIMEOUT_S = 10.0  # or timeout_s when shorter: a server that is up accepts at once; timeout_s is for answers
 _BACKOFF_BASE_S = 0.5
 _BACKOFF_CAP_S = 30.0
 _RETRY_AFTER_CAP_S = 120.0
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_MESSAGE_CHARS = 200  # the most of a server's own error message an error text quotes
+_NOW_S = 120.0  # a listing's `created` this close to now is the time of the listing (vLLM, SGLang), not a revision
 
 
 def _retryable(status: int) -> bool:
     return status in (408, 429) or status >= 500
 
 
-def _retry_after(response: requests.Response) -> float | None:
+def _retry_after(answer: Answer) -> float | None:
     """Seconds to wait from a Retry-After header (seconds or an HTTP date), capped."""
-    value = response.headers.get("Retry-After")
+    value = answer.headers.get("Retry-After")
     if not value:
         return None
     try:
@@ -50,20 +55,57 @@ def _retry_after(response: requests.Response) -> float | None:
     return min(max(seconds, 0.0), _RETRY_AFTER_CAP_S)
 
 
-def _connection_failure(url: str, error: requests.RequestException, timeout_s: float) -> str:
-    # A body that stalls after the headers comes as a ConnectionError wrapping urllib3's read timeout.
-    if error.args and isinstance(error.args[0], ReadTimeoutError):
-        return f"{url} timed out mid-answer (no data for timeout_s={timeout_s:g} s)"
-    # requests reports a connection dropped after the headers (a server crash, a proxy reset) as a
-    # ChunkedEncodingError, not a ConnectionError; it is as transient as one.
-    if isinstance(error, requests.exceptions.ChunkedEncodingError):
-        return f"{url} dropped the connection mid-answer"
-    reason = "connection refused" if "refused" in str(error).lower() else "connection failed"
-    return f"cannot reach {url} ({reason})"
+def server_message(body: bytes) -> str | None:
+    """The server's own error message from a JSON error answer (OpenAI's ``{"error": {"message"}}``, vLLM's
+    ``{"message"}``, FastAPI's ``{"detail"}``), on one line and capped; None for anything else, which is never quoted
+    (a ``base_url`` aimed at another service must not read that service's pages back into ComfyUI)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    error = data.get("error")
+    nested = error.get("message") if isinstance(error, dict) else error
+    for message in (nested, data.get("detail"), data.get("message")):
+        if isinstance(message, str) and message.strip():
+            message = re.sub(r"\s+", " ", message).strip()
+            return message if len(message) <= _MESSAGE_CHARS else message[:_MESSAGE_CHARS - 1] + "…"
+    return None
+
+
+def _where(location: str, url: str) -> str:
+    """A redirect's target, as scheme, host and port only."""
+    try:
+        parts = urlsplit(urljoin(url, location))
+        return f"{parts.scheme}://{(parts.hostname or '')[:100]}" + (f":{parts.port}" if parts.port else "")
+    except ValueError:
+        return "an unreadable address"
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model a server says it serves: its id and, where the server tells, what identifies its checkpoint."""
+
+    id: str
+    revision: str = ""
+
+
+def served_model(entry: dict) -> ServedModel:
+    """A ``/models`` entry as a ``ServedModel``: ``root`` and ``parent`` (vLLM, SGLang: the checkpoint's path or hub
+    id), ``created`` unless it is just the time of the listing."""
+    fields = {key: entry[key] for key in ("root", "parent") if entry.get(key) is not None}
+    created = entry.get("created")
+    if isinstance(created, int | float) and abs(created - time.time()) > _NOW_S:
+        fields["created"] = created
+    return ServedModel(str(entry["id"]), json.dumps(fields, sort_keys=True) if fields else "")
 
 
 class RemotePromptEnhancer:
-    """A PE served over HTTP. ``model`` empty: the first model the server lists at ``/v1/models``."""
+    """A PE served over HTTP. ``model`` empty: the first model the server lists at ``<base_url>/models``.
+
+    Everything a workflow gives is checked when the handle is made, before any request: ``base_url`` (``url``) and
+    ``api_key_env`` (``key_policy``)."""
 
     def __init__(
         self,
@@ -75,55 +117,49 @@ class RemotePromptEnhancer:
         max_concurrency: int = 4,
         runtime: Runtime | None = None,
     ):
-        base_url = base_url.strip().rstrip("/")
-        if not re.match(r"https?://", base_url):
-            raise EnhancerError(f"base_url must start with http:// or https://, got {base_url!r}")
-        try:
-            # requests parses the URL only when it sends, and then raises its own InvalidURL: check it here instead
-            requests.Request("GET", base_url).prepare()
-        except requests.exceptions.InvalidURL as error:
-            raise EnhancerError(
-                f"base_url {base_url!r} is not a valid URL ({error}): write the server's host and a port from 1 to "
-                "65535, e.g. http://127.0.0.1:8000"
-            ) from error
-        api_key_env = api_key_env.strip()
-        if api_key_env and not _ENV_NAME.fullmatch(api_key_env):
-            raise EnhancerError(
-                "api_key_env takes the NAME of an environment variable that holds the key (letters, digits and _), "
-                "not the key itself: remove the key from the workflow and set it in the environment"
-            )
-        self.base_url = base_url.removesuffix("/v1")
-        self.model, self.api_key_env = model.strip(), api_key_env
+        self.root = parse_api_root(base_url)
+        self.api_key_env = check_key_name(api_key_env)
+        bound_key(self.api_key_env, self.root)  # a key that may not go to base_url is refused now, not sent later
+        self.model = model.strip()
         self.timeout_s, self.max_retries, self.max_concurrency = timeout_s, max_retries, max_concurrency
         self.runtime = runtime or Runtime()
-        self._resolved_model: str | None = None
+        self._served: ServedModel | None = None
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"RemotePromptEnhancer({self.base_url}, model={self.model or '<first listed>'})"
+        return f"RemotePromptEnhancer({self.root}, model={self.model or '<first listed>'})"
 
     @property
     def identity(self) -> str:
-        return f"remote:{self.base_url}|{self.resolved_model()}"
+        """What produces the text: the API root, the model the server reports and, where it tells, its checkpoint.
+        Asked again at each read: a server can swap its checkpoint between two runs."""
+        with self._lock:
+            self._served = self._ask_served_model()
+            return f"remote:{self.root}|{self._served.id}|{self._served.revision}"
 
     def resolved_model(self) -> str:
         """The model to ask for: the given one, or the first listed by the server (asked once)."""
+        if self.model:
+            return self.model
         with self._lock:
-            if self._resolved_model is None:
-                self._resolved_model = self.model or self._discover_model()
-            return self._resolved_model
+            if self._served is None:
+                self._served = self._ask_served_model()
+            return self._served.id
 
-    def _discover_model(self) -> str:
-        url = f"{self.base_url}/v1/models"
+    def _ask_served_model(self) -> ServedModel:
+        url = self.root.url("models")
         with self._host_stop():
-            data = self._request("GET", url, threading.Event())
+            answer = self._request("GET", "models", threading.Event(), tolerate=(404, 405) if self.model else ())
+        if answer is None:  # a server without a model listing: the given name is all there is to know
+            return ServedModel(self.model)
         try:
-            ids = [entry["id"] for entry in data["data"]]
+            entries = [entry for entry in self._decode(answer, url)["data"] if isinstance(entry["id"], str)]
         except (KeyError, TypeError) as error:
             raise EnhancerError(f"malformed answer from {url}: expected data[].id ({error!r} missing)") from error
-        if not ids:
+        if not entries and not self.model:
             raise EnhancerError(f"{url} lists no models: give the model name in 'model'")
-        return ids[0]
+        chosen = [entry for entry in entries if entry["id"] == self.model] if self.model else entries[:1]
+        return served_model(chosen[0]) if chosen else ServedModel(self.model)
 
     def enhance(
         self, specs: Sequence[PromptSpec], params: SamplingParams, on_result: ResultCallback | None = None
@@ -147,9 +183,9 @@ class RemotePromptEnhancer:
             pool = ThreadPoolExecutor(min(len(specs), self.max_concurrency), thread_name_prefix="ernie-pe")
             futures = [pool.submit(one, index) for index in range(len(specs))]
             wait(futures, return_when=FIRST_EXCEPTION)
-            # The prompts not sent yet are dropped. After a stop, the answers in flight are not waited for; after a
-            # failure they are, so that their texts reach on_result (the cache) before the error is raised and a
-            # rerun pays only for what failed.
+            # The prompts not sent yet are dropped. After a stop, the answers in flight end within the watchdog's
+            # poll and are not waited for; after a failure they are, so that their texts reach on_result (the
+            # cache) before the error is raised and a rerun pays only for what failed.
             pool.shutdown(wait=not stop.is_set(), cancel_futures=True)
             if stop.is_set():
                 raise GenerationStopped("the requests were interrupted")
@@ -168,7 +204,7 @@ class RemotePromptEnhancer:
             raise
 
     def _chat(self, spec: PromptSpec, params: SamplingParams, model: str, stop: threading.Event) -> Completion:
-        url = f"{self.base_url}/v1/chat/completions"
+        url = self.root.url("chat/completions")
         body = {
             "model": model,
             "messages": spec.messages(),
@@ -178,7 +214,7 @@ class RemotePromptEnhancer:
             "seed": params.seed,
             "stream": False,
         }
-        data = self._request("POST", url, stop, json=body)
+        data = self._decode(self._request("POST", "chat/completions", stop, body), url)
         try:
             choice = data["choices"][0]
             content = choice["message"]["content"]
@@ -191,47 +227,71 @@ class RemotePromptEnhancer:
             )
         return Completion(content.strip(), truncated=choice.get("finish_reason") == "length")
 
-    def _headers(self) -> dict[str, str]:
-        if not self.api_key_env:
-            return {}
-        key = os.environ.get(self.api_key_env)
-        if not key:
-            raise EnhancerError(
-                f"the environment variable {self.api_key_env} (api_key_env) is not set: set it to the server's API "
-                "key in the environment ComfyUI starts from"
-            )
-        return {"Authorization": f"Bearer {key}"}
+    def _headers(self, payload: dict | None) -> dict[str, str]:
+        headers = {"Accept": "application/json", "User-Agent": "comfyui-ernie-image"}
+        if payload is not None:
+            headers["Content-Type"] = "application/json"
+        key = bound_key(self.api_key_env, self.root)  # read now, checked again: the environment may have changed
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        return headers
 
-    def _request(self, method: str, url: str, stop: threading.Event, **kwargs) -> dict:
-        """One call with retries; returns the decoded JSON object. Sets ``stop`` when the host asks to stop."""
+    def _request(self, method: str, endpoint: str, stop: threading.Event, payload: dict | None = None,
+                 tolerate: tuple[int, ...] = ()) -> Answer | None:
+        """One call with retries; returns the successful answer (None for a status in ``tolerate``). Sets ``stop``
+        when the host asks to stop."""
+        url = self.root.url(endpoint)
+        body = None if payload is None else json.dumps(payload, ensure_ascii=False).encode()
         attempts = self.max_retries + 1
         for attempt in range(attempts):
             if stop.is_set() or self.runtime.should_stop():
                 stop.set()
                 raise GenerationStopped("the request was interrupted")
             pause = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**attempt) * random.uniform(0.5, 1.0)
-            connect_s = min(_CONNECT_TIMEOUT_S, self.timeout_s)
             try:
-                response = requests.request(method, url, headers=self._headers(), timeout=(connect_s, self.timeout_s),
-                                            **kwargs)
-            except requests.ConnectTimeout:
-                failure = f"no connection to {url} within {connect_s:g} s"
-            except requests.Timeout:
-                failure = f"no answer from {url} within timeout_s={self.timeout_s:g} s"
-            except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as error:
-                failure = _connection_failure(url, error, self.timeout_s)
+                answer = exchange(method, url, self._headers(payload), body, self.timeout_s,
+                                  min(_CONNECT_TIMEOUT_S, self.timeout_s),
+                                  lambda: stop.is_set() or self.runtime.should_stop())
+            except GenerationStopped:
+                stop.set()
+                raise
+            except HttpFailure as error:
+                if not error.retryable:
+                    raise EnhancerError(str(error)) from None
+                failure = str(error)
             else:
-                if response.ok:
-                    return self._decode(response, url)
-                if not _retryable(response.status_code):
-                    raise EnhancerError(self._refusal(response, url))
-                failure = f"{url} answered HTTP {response.status_code}"
-                pause = _retry_after(response) or pause
+                if 200 <= answer.status < 300:
+                    return answer
+                if answer.status in tolerate:
+                    return None
+                self._refuse_final(answer, url)
+                failure = f"{url} answered HTTP {answer.status}"
+                pause = _retry_after(answer) or pause
             if attempt + 1 < attempts:
                 self._sleep(pause, stop)
         raise EnhancerError(
             f"{failure}, after {attempts} attempt(s): check that the server is running and that base_url is right"
         )
+
+    def _refuse_final(self, answer: Answer, url: str) -> None:
+        """Raise for an answer that another attempt would not change: a redirect or a 4xx other than 408 and 429."""
+        status = answer.status
+        if 300 <= status < 400:
+            raise EnhancerError(
+                f"{url} answered HTTP {status}, a redirect to {_where(answer.headers.get('Location', ''), url)}: "
+                "redirects are not followed (the prompt and any key go only to base_url); set base_url to the "
+                "server that answers"
+            )
+        if _retryable(status):
+            return
+        said = server_message(answer.body)
+        if status in (401, 403):
+            where = f"the key in ${self.api_key_env}" if self.api_key_env else "api_key_env (the server wants a key)"
+            raise EnhancerError(f"{url} refused the request (HTTP {status}): check {where}"
+                                + (f" (the server says: {said})" if said else ""))
+        model = self.model or (self._served.id if self._served else "")
+        raise EnhancerError(f"{url} answered HTTP {status}" + (f": {said}" if said else "")
+                            + f" (check base_url and the model name {model!r})")
 
     def _sleep(self, seconds: float, stop: threading.Event) -> None:
         """Wait between attempts, listening for a stop request."""
@@ -242,19 +302,12 @@ class RemotePromptEnhancer:
             time.sleep(min(left, 0.1))
 
     @staticmethod
-    def _decode(response: requests.Response, url: str) -> dict:
+    def _decode(answer: Answer, url: str) -> dict:
         try:
-            data = response.json()
+            data = json.loads(answer.body)
         except ValueError as error:
-            raise EnhancerError(f"malformed answer from {url}: not JSON ({response.text[:120]!r})") from error
+            kind = (answer.headers.get("Content-Type") or "no content type").split(";")[0].strip()[:60]
+            raise EnhancerError(f"malformed answer from {url}: not JSON ({kind}, {len(answer.body)} bytes)") from error
         if not isinstance(data, dict):
             raise EnhancerError(f"malformed answer from {url}: expected a JSON object, got {type(data).__name__}")
         return data
-
-    def _refusal(self, response: requests.Response, url: str) -> str:
-        status, detail = response.status_code, response.text[:300]
-        if status in (401, 403):
-            where = f"the key in ${self.api_key_env}" if self.api_key_env else "api_key_env (the server wants a key)"
-            return f"{url} refused the request (HTTP {status}): check {where}"
-        model = self._resolved_model or self.model
-        return f"{url} answered HTTP {status}: {detail} (check base_url and the model name {model!r})"

@@ -29,6 +29,14 @@ class Runtime:
         """Register the weights; returns ``load(memory_required)``, called before each generation."""
         return lambda memory_required: model.to(device)
 
+    def free_memory(self, device: torch.device) -> int | None:
+        """Bytes free for work on ``device`` now (what the PE's batches are sized by); None where unknown, the CPU
+        here, and a fixed cap applies."""
+        if device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
     def should_stop(self) -> bool:
         return False
 

@@ -3,9 +3,12 @@ the failures a real server does not produce on demand (5xx, 429, hangs, malforme
 
 from __future__ import annotations
 
+import http.client
+import itertools
 import json
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import threading
@@ -15,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from comfy_headless import free_port, wait_until_serving
 
@@ -24,7 +28,9 @@ class Reply:
     """One scripted answer: a status, a body (dict → JSON, str/bytes as is, or a function of the request's JSON
     body returning a dict), headers, and a delay before it. ``cut``: only the first ``cut`` bytes of the body are
     sent (the headers announce all of it), then, after ``stall`` seconds, the connection closes, as when a server
-    crashes or hangs mid-answer."""
+    crashes or hangs mid-answer. ``size``: instead of ``body``, that many filler bytes, made as they are sent (never
+    held whole), in pieces of ``piece`` bytes ``pace`` seconds apart (a trickle); ``announce`` False: no
+    Content-Length, the answer ends when the connection closes."""
 
     status: int = 200
     body: dict | str | bytes | Callable[[dict], dict] = field(default_factory=dict)
@@ -32,6 +38,23 @@ class Reply:
     delay: float = 0.0
     cut: int | None = None
     stall: float = 0.0
+    size: int | None = None
+    piece: int = 64 * 1024
+    pace: float = 0.0
+    announce: bool = True
+
+    def pieces(self, request: dict | None) -> tuple[int, Iterator[bytes]]:
+        """The body's length and its pieces."""
+        if self.size is not None:
+            count, rest = divmod(self.size, self.piece)
+            filler = b"x" * self.piece
+            return self.size, itertools.chain(itertools.repeat(filler, count), [filler[:rest]] if rest else [])
+        body = self.body(request) if callable(self.body) else self.body
+        if isinstance(body, dict):
+            body = json.dumps(body).encode()
+        elif isinstance(body, str):
+            body = body.encode()
+        return len(body), iter([body[:self.cut]])
 
 
 def chat_body(content: str | None, finish_reason: str = "stop") -> dict:
@@ -44,6 +67,11 @@ def chat_reply(content: str | None, finish_reason: str = "stop", delay: float = 
     return Reply(body=chat_body(content, finish_reason), delay=delay)
 
 
+def models_reply(*entries: dict) -> Reply:
+    """A ``/models`` listing of these entries (default: one model, "pe", as transformers serve lists a local one)."""
+    return Reply(body={"object": "list", "data": list(entries or [{"id": "pe", "object": "model", "created": 0}])})
+
+
 @dataclass
 class Received:
     method: str
@@ -53,60 +81,122 @@ class Received:
     at: float
 
 
-class FaultServer:
-    """Answers requests from a script, in order (then ``default``), and records what it received."""
+class _Server:
+    """A threaded HTTP server on 127.0.0.1 that records every request it receives, then lets ``answer`` reply.
+    ``tls``: (certificate, key) files, to serve HTTPS."""
 
-    def __init__(self, default: Reply | None = None):
-        self.default = default or chat_reply("a default answer")
-        self.script: list[Reply] = []
+    def __init__(self, port: int | None = None, tls: tuple[Path, Path] | None = None):
         self.received: list[Received] = []
-        self.in_flight = self.max_in_flight = 0
         self._lock = threading.Lock()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def _answer(self) -> None:
+            def _handle(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
-                request = json.loads(self.rfile.read(length)) if length else None
+                raw = self.rfile.read(length) if length else b""
                 with server._lock:
-                    server.received.append(Received(self.command, self.path, dict(self.headers), request,
-                                                    time.monotonic()))
-                    reply = server.script.pop(0) if server.script else server.default
-                    server.in_flight += 1
-                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
-                time.sleep(reply.delay)
-                with server._lock:
-                    server.in_flight -= 1
-                body = reply.body(request) if callable(reply.body) else reply.body
-                if isinstance(body, dict):
-                    body = json.dumps(body).encode()
-                elif isinstance(body, str):
-                    body = body.encode()
+                    server.received.append(Received(self.command, self.path, dict(self.headers),
+                                                    json.loads(raw) if raw else None, time.monotonic()))
                 try:
-                    self.send_response(reply.status)
-                    for name, value in reply.headers.items():
-                        self.send_header(name, value)
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body[:reply.cut])
-                    self.wfile.flush()
-                    time.sleep(reply.stall)
+                    server.answer(self, raw)
                 except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client gave up (timeout tests)
+                    pass  # the client gave up (timeout, cancel and size tests)
 
-            do_GET = do_POST = _answer
+            do_GET = do_POST = _handle
 
             def log_message(self, *args) -> None:
                 pass
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", port or free_port()), Handler)
         self._httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._httpd.server_port}"
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            self._httpd.socket = context.wrap_socket(self._httpd.socket, server_side=True)
+        self.port = self._httpd.server_port
+        self.url = f"http://127.0.0.1:{self.port}"
         threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    @property
+    def chats(self) -> list[Received]:
+        """The chat-completions requests received (not the model listings)."""
+        return [r for r in self.received if r.path.endswith("/chat/completions")]
+
+    def answer(self, handler: BaseHTTPRequestHandler, raw: bytes) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class FaultServer(_Server):
+    """Answers chat requests from a script, in order (then ``default``), and model listings with ``models``; records
+    what it received and counts the body bytes it sent."""
+
+    def __init__(self, default: Reply | None = None, port: int | None = None, tls: tuple[Path, Path] | None = None):
+        self.default = default or chat_reply("a default answer")
+        self.models = models_reply()
+        self.script: list[Reply] = []
+        self.in_flight = self.max_in_flight = self.bytes_sent = 0
+        super().__init__(port, tls)
+
+    def answer(self, handler: BaseHTTPRequestHandler, raw: bytes) -> None:
+        with self._lock:
+            if handler.path.endswith("/models"):
+                reply = self.models
+            else:
+                reply = self.script.pop(0) if self.script else self.default
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        time.sleep(reply.delay)
+        with self._lock:
+            self.in_flight -= 1
+        length, pieces = reply.pieces(json.loads(raw) if raw else None)
+        handler.send_response(reply.status)
+        for name, value in reply.headers.items():
+            handler.send_header(name, value)
+        if reply.announce:
+            handler.send_header("Content-Length", str(length))
+        handler.end_headers()
+        for piece in pieces:
+            handler.wfile.write(piece)
+            handler.wfile.flush()
+            with self._lock:
+                self.bytes_sent += len(piece)
+            time.sleep(reply.pace)
+        time.sleep(reply.stall)
+
+
+class RecordingProxy(_Server):
+    """A real server behind a recorder: forwards each request to ``target`` (``prefix`` in front of the path is
+    replaced by ``/v1``, as an API gateway maps its own root) and records it. Its own port is another origin."""
+
+    def __init__(self, target: str, prefix: str = "/v1"):
+        self.target, self.prefix = target, prefix
+        super().__init__()
+
+    def answer(self, handler: BaseHTTPRequestHandler, raw: bytes) -> None:
+        headers = {k: v for k, v in handler.headers.items() if k.lower() not in ("host", "connection")}
+        path = "/v1" + handler.path.removeprefix(self.prefix)
+        upstream = http.client.HTTPConnection(urlsplit(self.target).hostname, urlsplit(self.target).port, timeout=120)
+        try:
+            upstream.request(handler.command, path, body=raw or None, headers=headers)
+            response = upstream.getresponse()
+            body = response.read()
+        finally:
+            upstream.close()
+        handler.send_response(response.status)
+        handler.send_header("Content-Type", response.getheader("Content-Type", "application/json"))
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
 
 
 @contextmanager
