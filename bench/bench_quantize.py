@@ -80,7 +80,7 @@ def measure_eager(variant: str, inputs: dict, reference: torch.Tensor | None) ->
     model = seeded_dit().to("cpu")  # where the loader has the weights after reading them
     free()
     base = torch.cuda.memory_allocated()
-    on = quantization_device(model, DEVICE, usable_memory(DEVICE))  # the loader's choice
+    on = quantization_device(model, DEVICE, usable_memory)  # the loader's choice
     start = time.perf_counter()
     quantize(model, variant, on)
     torch.cuda.synchronize()
@@ -177,7 +177,7 @@ def measure_run(variant: str) -> dict:
         free()
         management.EXTRA_RESERVED_VRAM = reserved_before + max(total - CARD_GIB * GIB, 0)
         torch.cuda.set_per_process_memory_fraction(min(CARD_GIB * GIB / total, 1.0))
-        on = quantization_device(model, DEVICE, usable_memory(DEVICE)) if variant != "bf16" else None
+        on = quantization_device(model, DEVICE, usable_memory) if variant != "bf16" else None
         quantized = stage("load + quantize DiT", partial(quantize, model, variant, on))
         patcher = compile_by_default(make_model_patcher(quantized))
         del model, quantized

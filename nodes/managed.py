@@ -12,10 +12,8 @@ Models move between devices outside inference mode, although ComfyUI runs every 
 reaches torchao's quantized weights undecomposed and their aliasing fix-up fails ("Attempted to set the storage of
 a tensor on device cpu to a storage on different device cuda:0", torchao 0.17 on the H200).
 
-So every weight the pack makes is a normal tensor, never an inference tensor, even though its loaders run inside
-inference mode: the loading functions run under ``torch.inference_mode(False)``. A parameter made in inference mode
-whose data a move outside it replaces breaks every later forward ("Inference tensors do not track version
-counter": every GPU user's first sampling step, 2026-12-01); a normal one moves either way.
+Every weight the pack makes is a normal tensor, never an inference tensor, so it moves either way: the functions
+that make weights run outside inference mode (``model_files.builds_weights`` says why).
 """
 
 from __future__ import annotations

@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 
 from .errors import ErnieImageError
-from .model_files import read_safetensors, safetensors_keys
+from .model_files import builds_weights, read_safetensors, safetensors_keys
 
 HEAD_DIM = 128  # every Ministral 3 model has 128-wide attention heads
 _PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "model.lm_head.": "lm_head."}
 
 
-@torch.inference_mode(False)  # normal tensors even when called in inference mode (``nodes/managed.py`` says why)
+@builds_weights
 def read_ministral_file(
     path: Path,
     dtype: torch.dtype,

@@ -7,13 +7,27 @@ Only safetensors are ever loaded by the pack: no pickles, no remote code.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from .errors import ErnieImageError
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def builds_weights(function: Callable[P, R]) -> Callable[P, R]:
+    """Decorates a function that makes model weights: they are made as normal tensors even when it is called inside
+    ``torch.inference_mode()``, as ComfyUI runs every node. A parameter made in inference mode whose data a device
+    move outside it replaces breaks every later forward ("Inference tensors do not track version counter": every GPU
+    user's first sampling step, 2026-12-01); ComfyUI moves models both inside and outside inference mode (``/free``
+    between prompts). A normal tensor moves either way."""
+    return torch.inference_mode(False)(function)
 
 
 def _unreadable(path: Path, error: Exception) -> ErnieImageError:

@@ -125,8 +125,8 @@ def test_quantization_runs_on_the_gpu_only_when_comfyui_counts_room_for_the_whol
     transformer = ErnieImageTransformer2DModel(**TINY_DIT)
     needed = sum(p.nbytes for p in transformer.parameters()) + 2 * 2**30
     gpu = torch.device("cuda", 0)
-    assert quantization_device(transformer, gpu, needed) == gpu
-    assert quantization_device(transformer, gpu, needed - 1) == torch.device("cpu")
+    assert quantization_device(transformer, gpu, lambda device: needed) == gpu
+    assert quantization_device(transformer, gpu, lambda device: needed - 1) == torch.device("cpu")
 
 
 def test_usable_memory_is_comfyuis_free_memory_less_its_reserve(monkeypatch):

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from ..model_files import builds_weights
 from .capability import METHODS, probe, require
 from .svdq_cache import SVDQCache
 
@@ -27,7 +28,7 @@ _HEADROOM = 2 * 2**30  # GPU memory left for quantizing one layer beside the who
 _LOAD_ERRORS = (OSError, ValueError, RuntimeError, TypeError, KeyError, SafetensorError)
 
 
-@torch.inference_mode(False)  # torchao's and SVDQuant's layers too (``nodes/managed.py`` says why)
+@builds_weights  # torchao's and SVDQuant's layers too
 def load_quantized_dit(
     load: Callable[[], torch.nn.Module],
     method: str,
@@ -50,20 +51,21 @@ def load_quantized_dit(
     require(method, probe(device), dtype)
     if spec.backend == "torchao":
         transformer = load()
-        on = quantization_device(transformer, device, free_memory(device) if device.type == "cuda" else 0)
-        return quantize_torchao(transformer, spec.quant_type, on)
+        return quantize_torchao(transformer, spec.quant_type, quantization_device(transformer, device, free_memory))
     return load_or_build_svdq(load, spec.quant_type, source=source, device=device, cache=SVDQCache(cache_root))
 
 
-def quantization_device(transformer: torch.nn.Module, device: torch.device, free: int) -> torch.device:
-    """``device`` when the whole DiT fits in its ``free`` bytes (seconds), else the CPU (slower, no GPU memory).
+def quantization_device(
+    transformer: torch.nn.Module, device: torch.device, free_memory: Callable[[torch.device], int]
+) -> torch.device:
+    """``device`` when the whole DiT fits in ``free_memory(device)`` (seconds), else the CPU (slower, no GPU memory).
 
-    ``free`` is what the host's memory management offers, not the driver's free memory: ComfyUI keeps a reserve
+    The free memory is what the host's memory management offers, not the driver's: ComfyUI keeps a reserve
     (``--reserve-vram``) that a smaller card would not have at all."""
     if device.type != "cuda":
         return device
     needed = sum(p.nbytes for p in transformer.parameters()) + _HEADROOM
-    return device if free >= needed else torch.device("cpu")
+    return device if free_memory(device) >= needed else torch.device("cpu")
 
 
 def quantize_torchao(transformer: torch.nn.Module, quant_type: str, on: torch.device) -> torch.nn.Module:

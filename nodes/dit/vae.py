@@ -13,7 +13,7 @@ import comfy.sd
 import torch
 
 from ..errors import ErnieImageError
-from ..model_files import read_safetensors
+from ..model_files import builds_weights, read_safetensors
 
 # The VAE's batch-norm epsilon as trained and as diffusers applies it; ComfyUI's Flux.2 VAE assumes 1e-4,
 # which shifts every decoded latent channel whose running variance is small.
@@ -30,7 +30,7 @@ def decode_memory(shape: tuple[int, ...], dtype: torch.dtype) -> float:
     return DECODE_BYTES_PER_LATENT_PIXEL * shape[2] * shape[3] * comfy.model_management.dtype_size(dtype)
 
 
-@torch.inference_mode(False)  # normal tensors even when called in inference mode (``nodes/managed.py`` says why)
+@builds_weights
 def make_vae(state_dict: dict[str, torch.Tensor], source: str) -> comfy.sd.VAE:
     """A core ``VAE`` from the Flux.2 VAE weights (diffusers or ComfyUI keys), with the trained BN epsilon."""
     vae = comfy.sd.VAE(sd=state_dict)

@@ -17,7 +17,13 @@ import torch
 from safetensors import SafetensorError
 
 from ..errors import ErnieImageError
-from ..model_files import check_safetensors_files, read_json, read_safetensors, safetensors_keys
+from ..model_files import (
+    builds_weights,
+    check_safetensors_files,
+    read_json,
+    read_safetensors,
+    safetensors_keys,
+)
 
 # A key every ERNIE-Image DiT has and no other model in ComfyUI's folders does, and the others its shape is read off.
 MARKER_KEY = "layers.0.adaLN_sa_ln.weight"
@@ -118,7 +124,7 @@ def load_transformer_folder(folder: Path, dtype: torch.dtype):
     return model.eval()
 
 
-@torch.inference_mode(False)  # normal tensors even when called in inference mode (``nodes/managed.py`` says why)
+@builds_weights
 def load_transformer(path: Path, dtype: torch.dtype):
     """The DiT from a snapshot folder, its ``transformer/`` folder, or a single safetensors file."""
     if path.is_dir():

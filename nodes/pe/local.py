@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..model_files import read_json
+from ..model_files import builds_weights, read_json
 from .batching import MAX_ROWS, PromptProgress, batch_rows, next_batch, row_bytes
 from .decode import StaticDecoder, generate_plain, kv_cache_bytes
 from .fused import fuse_mlp_projections
@@ -96,8 +96,8 @@ class LocalPromptEnhancer:
     def __repr__(self) -> str:
         return f"LocalPromptEnhancer({self.source.weights}, device={self.device_name}, dtype={self.dtype_name})"
 
-    @torch.inference_mode(False)  # normal tensors although the enhance node runs in inference mode (the fused
-    def _ensure_loaded(self) -> None:  # gate/up weights too): ``nodes/managed.py`` says why
+    @builds_weights  # the enhance node runs in inference mode; the fused gate/up weights are made here too
+    def _ensure_loaded(self) -> None:
         if self._model is not None:
             return
         device = self.runtime.device(self.device_name)

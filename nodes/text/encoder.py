@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ErnieImageError
-from ..model_files import check_safetensors_files, read_json
+from ..model_files import builds_weights, check_safetensors_files, read_json
 
 TEXT_ENCODER_CLASSES = ("Mistral3Model", "Mistral3ForConditionalGeneration")
 
@@ -26,7 +26,7 @@ class ErnieTextEncoder:
         self.tokenizer = tokenizer
 
     @classmethod
-    @torch.inference_mode(False)  # normal tensors even when called in inference mode (``nodes/managed.py`` says why)
+    @builds_weights
     def from_snapshot(cls, snapshot: Path, dtype: torch.dtype) -> ErnieTextEncoder:
         """Load ``text_encoder/`` and ``tokenizer/`` of an ERNIE-Image snapshot (safetensors only)."""
         from transformers import AutoTokenizer, Mistral3Model
