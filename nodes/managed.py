@@ -97,7 +97,7 @@ def usable_memory(device: torch.device) -> int:
     """Memory a model may take on ``device`` now, as ComfyUI counts it: free memory (torch's cache included) less
     ComfyUI's reserve (``--reserve-vram``), never the driver's free memory alone."""
     mm = comfy.model_management
-    return mm.get_free_memory(device) - mm.extra_reserved_memory()
+    return max(int(mm.get_free_memory(device)) - int(mm.extra_reserved_memory()), 0)
 
 
 def text_model_dtype(device: torch.device) -> torch.dtype:

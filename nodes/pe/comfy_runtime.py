@@ -11,7 +11,7 @@ import comfy.utils
 import torch
 from comfy.patcher_extension import CallbacksMP
 
-from ..managed import ManagedModule, WholeModelPatcher
+from ..managed import ManagedModule, WholeModelPatcher, usable_memory
 from .runtime import Runtime
 
 
@@ -42,8 +42,7 @@ class ComfyRuntime(Runtime):
     def free_memory(self, device: torch.device) -> int | None:
         """What ComfyUI counts as free on ``device`` (its driver view plus torch's cached blocks; the CPU's available
         RAM), less the VRAM it keeps for other programs (``--reserve-vram``)."""
-        reserved = mm.extra_reserved_memory() if hasattr(mm, "extra_reserved_memory") else 0
-        return max(int(mm.get_free_memory(device)) - int(reserved), 0)
+        return usable_memory(device)
 
     def should_stop(self) -> bool:
         return mm.processing_interrupted()
