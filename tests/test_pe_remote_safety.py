@@ -375,6 +375,20 @@ def test_https_checks_the_certificate_and_trusts_a_given_bundle_fault_server(tls
     assert server.received[0].headers["Host"] == f"localhost:{server.port}"
 
 
+# --- credentials from the environment ---------------------------------------------------------------------------
+
+
+def test_netrc_credentials_are_not_sent_fault_server(fault, tmp_path, monkeypatch):
+    """requests would add a ~/.netrc login for the host as Basic auth: which credentials go where is the key policy's
+    decision alone."""
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine 127.0.0.1 login me password hunter2\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    assert remote(fault.url, model="pe").enhance(PROMPT, SAMPLED)[0].text == "a default answer"
+    assert "Authorization" not in fault.received[0].headers
+
+
 # --- the remote identity: the server's model and, where it tells, its revision -------------------------------------
 
 
