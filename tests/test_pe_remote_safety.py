@@ -17,13 +17,22 @@ import comfy.model_management as mm
 import pytest
 import requests
 
+from comfy_headless import free_port
 from comfyui_ernie_image.nodes.pe.cache import ResultCache, cache_key, enhance_cached
 from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
 from comfyui_ernie_image.nodes.pe.nodes import ErnieImagePERemote
 from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, SamplingParams, chat_messages
 from comfyui_ernie_image.nodes.pe.remote import RemotePromptEnhancer
 from comfyui_ernie_image.nodes.pe.runtime import Runtime
-from helpers.pe_servers import FaultServer, RecordingProxy, Reply, chat_reply, models_reply, transformers_serve
+from helpers.pe_servers import (
+    FaultServer,
+    ForwardProxy,
+    RecordingProxy,
+    Reply,
+    chat_reply,
+    models_reply,
+    transformers_serve,
+)
 
 PROMPT = [PromptSpec("a big dog on a red mat", 848, 1264)]
 SAMPLED = SamplingParams(temperature=0.6, top_p=0.8, max_new_tokens=20, seed=3)
@@ -373,6 +382,51 @@ def test_https_checks_the_certificate_and_trusts_a_given_bundle_fault_server(tls
     monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(cert))  # the user's own certificate authority, as requests reads it
     assert remote(url, model="pe").enhance(PROMPT, SAMPLED)[0].text == "a default answer"
     assert server.received[0].headers["Host"] == f"localhost:{server.port}"
+
+
+# --- proxies from the environment, as requests reads them -------------------------------------------------------
+
+
+@pytest.fixture
+def no_proxy_set(monkeypatch):
+    """No proxy variable from the machine's environment (lower case wins over upper case in requests)."""
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+
+
+def test_http_proxy_from_the_environment_is_used_and_no_proxy_bypasses_it(pe_server, no_proxy_set, monkeypatch):
+    with ForwardProxy() as proxy:
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        (completion,) = remote(pe_server).enhance(PROMPT, SAMPLED)
+        assert completion.text
+        assert [r.path for r in proxy.received] == [f"{pe_server}/v1/models", f"{pe_server}/v1/chat/completions"]
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        assert remote(pe_server).enhance(PROMPT, SAMPLED)[0].text == completion.text  # seeded: the same text
+        assert len(proxy.received) == 2  # straight to the server
+
+
+def test_a_proxy_that_is_down_is_named_without_its_password(pe_server, no_proxy_set, monkeypatch):
+    proxy = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("HTTP_PROXY", proxy.replace("http://", "http://me:hunter2@"))
+    with pytest.raises(EnhancerError) as error:
+        remote(pe_server, model="pe", max_retries=0).enhance(PROMPT, SAMPLED)
+    assert str(error.value).startswith(f"cannot reach {pe_server}/v1/chat/completions (the proxy {proxy} from the "
+                                       "environment: connection refused), after 1 attempt(s)")
+    assert "hunter2" not in str(error.value)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    assert remote(pe_server).enhance(PROMPT, SAMPLED)[0].text
+
+
+def test_netrc_credentials_are_not_sent_fault_server(fault, tmp_path, monkeypatch):
+    """requests would add a ~/.netrc login for the host as Basic auth: which credentials go where is the key policy's
+    decision alone."""
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine 127.0.0.1 login me password hunter2\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    assert remote(fault.url, model="pe").enhance(PROMPT, SAMPLED)[0].text == "a default answer"
+    assert "Authorization" not in fault.received[0].headers
 
 
 # --- the remote identity: the server's model and, where it tells, its revision -------------------------------------

@@ -1,18 +1,18 @@
 """One HTTP request, bounded: one deadline for connecting, sending and the whole answer; a cap on the answer's size;
 a stop request honoured within a fraction of a second, even in the middle of an answer; no redirect followed.
 
-Per-read timeouts (what ``requests`` offers) let a server that trickles bytes hold a call forever, and a blocking
-read cannot see a Cancel. Here the socket is the engine's own: a watchdog thread shuts it down at the deadline or at a
-stop request, which ends any blocking connect, handshake or read at once. The answer is read in pieces and refused as
-soon as it passes the cap, never held whole. Plain Python (stdlib ``http.client``), no ComfyUI.
+Made with ``requests`` (a ``Session`` that trusts the environment), so that ``HTTP(S)_PROXY``, ``NO_PROXY`` and
+``REQUESTS_CA_BUNDLE`` work as everywhere else. Its timeouts are per socket operation and a read timeout ends the
+answer (urllib3 closes the connection), so they cannot poll: a trickling server would hold the call forever and a
+blocking read would not see a Cancel. So each connection hands its socket to a watchdog thread, which shuts it down
+at the deadline or at a stop request, ending a blocked wait for the headers or a read at once. The answer is read in
+pieces and refused as soon as it passes the cap, never held whole. No ComfyUI.
 """
 
 from __future__ import annotations
 
-import errno
+import functools
 import http.client
-import os
-import select
 import socket
 import ssl
 import threading
@@ -21,11 +21,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+import requests
+import requests.utils
+import urllib3
+import urllib3.exceptions
+from requests.adapters import HTTPAdapter
+
 from .protocol import GenerationStopped
 
 MAX_ANSWER_BYTES = 8 * 1024 * 1024  # a prompt enhancer's answer is a few KiB; a model listing rarely 100 KiB
 _PIECE_BYTES = 64 * 1024
 _WATCH_S = 0.05  # how often the watchdog looks at the stop request and the clock
+_current = threading.local()  # the watchdog of the request this thread is making: its connections report to it
 
 
 class HttpFailure(Exception):
@@ -57,60 +64,99 @@ def exchange(
     """Send one request and read its whole answer within ``timeout_s`` (connecting within ``connect_s`` of it).
 
     Raises ``GenerationStopped`` when ``should_stop()`` turns true, ``HttpFailure`` for everything else that keeps a
-    whole answer from arriving. Any status is an answer: redirects are returned, not followed."""
-    watch = _Watchdog(time.monotonic() + timeout_s, should_stop)
-    phase, connection = "connect", None
+    whole answer from arriving. Any status is an answer: redirects are returned, not followed. A stop request made
+    while the TCP connection is being made is seen when it is made (or fails), within ``connect_s``."""
+    watch, response, phase = _Watchdog(time.monotonic() + timeout_s, should_stop), None, "request"
+    session = requests.Session()  # trust_env: proxies, NO_PROXY and the CA bundle come from the environment
+    session.auth = lambda request: request  # with auth set, no ~/.netrc: its Basic auth would replace the key
+    session.mount("http://", _WatchedAdapter(max_retries=0))
+    session.mount("https://", _WatchedAdapter(max_retries=0))
+    # identity: the cap counts the bytes that arrive, and no compressed answer can unpack beyond it
+    headers = {**headers, "Connection": "close", "Accept-Encoding": "identity"}
+    settings = session.merge_environment_settings(url, {}, True, None, None)
+    proxy = requests.utils.select_proxy(url, settings["proxies"])
     try:
+        prepared = session.prepare_request(requests.Request(method, url, headers=headers, data=body))
         with watch:
-            sock = _connect(url, min(connect_s, timeout_s), watch)
-            phase = "send"
-            connection = _connection(url, sock, watch)
-            connection.request(method, urlsplit(url).path or "/", body=body,
-                               headers={**headers, "Connection": "close"})
-            response = connection.getresponse()
+            _current.watch = watch
+            # The adapter itself, not Session.send: even with allow_redirects=False, that reads a redirect's whole
+            # body (uncapped) to find where it points.
+            response = session.get_adapter(url).send(
+                prepared, stream=True, timeout=(max(min(connect_s, timeout_s), 0.001), max(timeout_s, 0.001)),
+                verify=settings["verify"], cert=settings["cert"], proxies=settings["proxies"])
             phase = "body"
-            return Answer(response.status, response.headers, _read_capped(response, max_bytes, url, watch))
-    except (OSError, http.client.HTTPException) as error:
+            return Answer(response.status_code, response.headers, _read_capped(response, max_bytes, url, watch))
+    except (requests.RequestException, urllib3.exceptions.HTTPError, http.client.HTTPException, OSError) as error:
         if watch.reason == "stopped":
             raise GenerationStopped("the request was interrupted") from None
-        raise _failure(url, phase, error, watch.reason, timeout_s, connect_s) from None
+        raise _failure(url, phase, error, watch.reason, timeout_s, min(connect_s, timeout_s), proxy) from None
     finally:
-        if connection is not None:
-            connection.close()
+        _current.watch = None
+        if response is not None:
+            response.close()
+        session.close()
 
 
-def _failure(url: str, phase: str, error: Exception, reason: str | None, timeout_s: float,
-             connect_s: float) -> HttpFailure:
+def _failure(url: str, phase: str, error: Exception, reason: str | None, timeout_s: float, connect_s: float,
+             proxy: str | None) -> HttpFailure:
     """What went wrong, in the user's words, from the phase the request was in and the error it ended with."""
-    if isinstance(error, _ConnectTimeout):
-        return HttpFailure(f"no connection to {url} within {min(connect_s, timeout_s):g} s")
-    if reason == "deadline" or isinstance(error, TimeoutError):
+    through = f" through the proxy {_origin(proxy)}" if proxy else ""
+    if isinstance(error, requests.ConnectTimeout):
+        return HttpFailure(f"no connection to {url}{through} within {connect_s:g} s")
+    if reason == "deadline" or isinstance(error, requests.ReadTimeout | urllib3.exceptions.ReadTimeoutError):
         if phase == "body":
             return HttpFailure(f"{url} did not finish its answer within timeout_s={timeout_s:g} s (the limit covers "
                                "connecting and the whole answer)")
         return HttpFailure(f"no answer from {url} within timeout_s={timeout_s:g} s")
     if phase == "body":
         return HttpFailure(f"{url} dropped the connection mid-answer")
-    if isinstance(error, ssl.SSLError):
-        return HttpFailure(f"cannot reach {url} (TLS: {error.reason or error})")
-    if isinstance(error, socket.gaierror):
-        return HttpFailure(f"cannot reach {url} (host not found)")
-    refused = isinstance(error, ConnectionRefusedError)
-    return HttpFailure(f"cannot reach {url} ({'connection refused' if refused else 'connection failed'})")
+    if isinstance(error, requests.exceptions.InvalidURL | requests.exceptions.InvalidSchema):  # its text may quote
+        hint = ": check HTTP_PROXY, HTTPS_PROXY and ALL_PROXY" if proxy else ""  # a proxy's password: never shown
+        return HttpFailure(f"cannot reach {url}{through} ({type(error).__name__}{hint})", retryable=False)
+    tls = _found(error, ssl.SSLError)
+    if tls is not None:
+        why = f"TLS: {tls.reason or tls}"
+    elif _found(error, socket.gaierror) is not None:
+        why = "host not found"
+    else:
+        why = "connection refused" if _found(error, ConnectionRefusedError) is not None else "connection failed"
+    if isinstance(error, requests.exceptions.ProxyError):
+        return HttpFailure(f"cannot reach {url} (the proxy {_origin(proxy)} from the environment: {why})")
+    return HttpFailure(f"cannot reach {url}{through} ({why})")
 
 
-class _ConnectTimeout(OSError):
-    pass
+def _origin(proxy: str | None) -> str:
+    """A proxy's scheme, host and port: never the user name and password a proxy URL may carry."""
+    try:
+        parts = urlsplit(proxy if proxy and "://" in proxy else f"http://{proxy}")
+        return f"{parts.scheme}://{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+    except ValueError:
+        return "(unreadable address)"
+
+
+def _found(error: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The first ``kind`` among the exceptions that ``error`` wraps (requests wraps urllib3's, which wraps the
+    socket's, through arguments, ``reason`` and the exception chain)."""
+    stack, seen = [error], set()
+    while stack:
+        item = stack.pop()
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        if isinstance(item, kind):
+            return item
+        seen.add(id(item))
+        stack += [item.__cause__, item.__context__, getattr(item, "reason", None), *item.args]
+    return None
 
 
 class _Watchdog:
-    """A thread that shuts the request's socket down at the deadline or when a stop is requested; ``reason`` says
+    """A thread that shuts the request's sockets down at the deadline or when a stop is requested; ``reason`` says
     which (None while neither happened)."""
 
     def __init__(self, deadline: float, should_stop: Callable[[], bool]):
         self.deadline, self.should_stop = deadline, should_stop
         self.reason: str | None = None
-        self._socket: socket.socket | None = None
+        self._sockets: list[socket.socket] = []
         self._done = threading.Event()
         self._lock = threading.Lock()
 
@@ -120,13 +166,13 @@ class _Watchdog:
 
     def __exit__(self, *exc) -> None:
         self._done.set()
-        with self._lock:
-            if self._socket is not None:
-                self._socket.close()
 
     def guard(self, sock: socket.socket) -> None:
+        """Watch a newly connected socket; one connected after the request had to end is shut down at once."""
         with self._lock:
-            self._socket = sock
+            self._sockets.append(sock)
+        if self.check():
+            self._shut()
 
     def check(self) -> str | None:
         """Why the request must end now, if it must."""
@@ -137,90 +183,70 @@ class _Watchdog:
                 self.reason = "deadline"
         return self.reason
 
-    def left(self) -> float:
-        return max(self.deadline - time.monotonic(), 0.001)
+    def _shut(self) -> None:
+        with self._lock:
+            for sock in self._sockets:
+                try:  # the plain socket's shutdown, also under TLS: it ends a blocked read in any thread
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+                except (OSError, TypeError):
+                    pass  # closed, or not a plain socket (TLS inside an HTTPS proxy): the read timeout ends it
 
     def _watch(self) -> None:
         while not self._done.wait(_WATCH_S):
             if self.check():
-                with self._lock:
-                    if self._socket is not None:
-                        try:  # the plain socket's shutdown, also under TLS: it ends a blocked read in any thread
-                            socket.socket.shutdown(self._socket, socket.SHUT_RDWR)
-                        except OSError:
-                            pass  # not connected yet: the connect loop sees the reason
+                self._shut()
                 return
 
 
-def _connect(url: str, connect_s: float, watch: _Watchdog) -> socket.socket:
-    """A connected TCP socket, by a non-blocking connect polled against the stop request and both time limits."""
-    parts = urlsplit(url)
-    limit = time.monotonic() + connect_s
-    error: OSError = ConnectionError("no address")
-    for family, kind, proto, _, address in socket.getaddrinfo(parts.hostname, parts.port, type=socket.SOCK_STREAM):
-        sock = socket.socket(family, kind, proto)
-        watch.guard(sock)
-        sock.setblocking(False)
-        code = sock.connect_ex(address)
-        while code in (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EALREADY, getattr(errno, "WSAEWOULDBLOCK", -1)):
-            if watch.check():
-                raise TimeoutError("deadline") if watch.reason == "deadline" else ConnectionAbortedError("stopped")
-            if time.monotonic() >= limit:
-                raise _ConnectTimeout("connect timeout")
-            _, writable, failed = select.select([], [sock], [sock], _WATCH_S)
-            if writable or failed:
-                code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        if code == 0:
-            sock.settimeout(watch.left())  # a backstop: the watchdog ends blocked calls first
-            return sock
-        error = OSError(code, os.strerror(code))
-        if code == errno.ECONNREFUSED:
-            error = ConnectionRefusedError(code, os.strerror(code))
-        sock.close()
-    raise error
+class _Reports:
+    """A urllib3 connection that, once connected, hands its socket to the watchdog of the request being made."""
+
+    def connect(self) -> None:
+        super().connect()
+        if getattr(_current, "watch", None) is not None:
+            _current.watch.guard(self.sock)
 
 
-def _connection(url: str, sock: socket.socket, watch: _Watchdog) -> http.client.HTTPConnection:
-    parts = urlsplit(url)
-    if parts.scheme == "https":
-        sock = _tls_context().wrap_socket(sock, server_hostname=parts.hostname)
-        watch.guard(sock)
-        connection = http.client.HTTPSConnection(parts.hostname, parts.port)
-    else:
-        connection = http.client.HTTPConnection(parts.hostname, parts.port)
-    connection.sock = sock
-    return connection
+@functools.cache
+def _watched(pool: type) -> type:
+    """A urllib3 pool class (direct, HTTP proxy or SOCKS) whose connections report their sockets to the watchdog."""
+    if issubclass(pool.ConnectionCls, _Reports):
+        return pool
+    connection = type(pool.ConnectionCls.__name__, (_Reports, pool.ConnectionCls), {})
+    return type(pool.__name__, (pool,), {"ConnectionCls": connection})
 
 
-def _tls_context() -> ssl.SSLContext:
-    """The system's certificate authorities, plus certifi's (what ``requests`` used) and ``REQUESTS_CA_BUNDLE``."""
-    context = ssl.create_default_context()
-    try:
-        import certifi
+class _WatchedAdapter(HTTPAdapter):
+    """requests' adapter, its connections, direct or through a proxy, reporting their sockets to the watchdog."""
 
-        context.load_verify_locations(certifi.where())
-    except (ImportError, OSError):
-        pass
-    bundle = os.environ.get("REQUESTS_CA_BUNDLE")
-    if bundle:
-        context.load_verify_locations(bundle)
-    return context
+    def init_poolmanager(self, *args, **kwargs) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        self._watch(self.poolmanager)
+
+    def proxy_manager_for(self, proxy: str, **kwargs) -> urllib3.PoolManager:
+        return self._watch(super().proxy_manager_for(proxy, **kwargs))
+
+    @staticmethod
+    def _watch(manager: urllib3.PoolManager) -> urllib3.PoolManager:
+        manager.pool_classes_by_scheme = {scheme: _watched(pool) for scheme, pool in
+                                          manager.pool_classes_by_scheme.items()}
+        return manager
 
 
-def _read_capped(response: http.client.HTTPResponse, max_bytes: int, url: str, watch: _Watchdog) -> bytes:
-    """The whole body, read in pieces; refused as soon as it is known to pass ``max_bytes``."""
+def _read_capped(response: requests.Response, max_bytes: int, url: str, watch: _Watchdog) -> bytes:
+    """The whole body, read in pieces as it arrives (undecoded); refused as soon as it is known to pass the cap."""
     too_large = HttpFailure(f"{url} sent an answer larger than {max_bytes / 2**20:g} MiB, refused (a prompt enhancer "
                             "answers in a few KiB): check that base_url is the enhancer's server", retryable=False)
-    announced = response.getheader("Content-Length", "")
+    announced = response.headers.get("Content-Length", "")
     if announced.isdigit() and int(announced) > max_bytes:
         raise too_large
     body = bytearray()
-    while piece := response.read1(_PIECE_BYTES):
+    while piece := response.raw.read(_PIECE_BYTES, decode_content=False):
         if len(body) + len(piece) > max_bytes:
             raise too_large
         body += piece
-    if response.length:  # read1 ends quietly where the connection did, short of the announced length
-        raise http.client.IncompleteRead(bytes(body), response.length)
-    if watch.reason and response.length is None and not response.chunked:
-        raise ConnectionAbortedError(watch.reason)  # an answer that ends with the connection, cut by the watchdog
+    if watch.check():  # the watchdog shut the socket: what ended may be the connection, not the answer
+        raise ConnectionAbortedError(watch.reason)
+    if announced.isdigit() and len(body) < int(announced):  # urllib3 1.x ends quietly where the connection did
+        raise http.client.IncompleteRead(bytes(body), int(announced) - len(body))
     return bytes(body)

@@ -183,20 +183,36 @@ class RecordingProxy(_Server):
         super().__init__()
 
     def answer(self, handler: BaseHTTPRequestHandler, raw: bytes) -> None:
-        headers = {k: v for k, v in handler.headers.items() if k.lower() not in ("host", "connection")}
-        path = "/v1" + handler.path.removeprefix(self.prefix)
-        upstream = http.client.HTTPConnection(urlsplit(self.target).hostname, urlsplit(self.target).port, timeout=120)
-        try:
-            upstream.request(handler.command, path, body=raw or None, headers=headers)
-            response = upstream.getresponse()
-            body = response.read()
-        finally:
-            upstream.close()
-        handler.send_response(response.status)
-        handler.send_header("Content-Type", response.getheader("Content-Type", "application/json"))
-        handler.send_header("Content-Length", str(len(body)))
-        handler.end_headers()
-        handler.wfile.write(body)
+        _forward(handler, raw, self.target, "/v1" + handler.path.removeprefix(self.prefix))
+
+
+class ForwardProxy(_Server):
+    """An HTTP proxy, as ``HTTP_PROXY`` names one: it takes requests for an absolute URI (``POST
+    http://127.0.0.1:8000/v1/chat/completions``), records them and forwards them to that URI, on 127.0.0.1 only."""
+
+    def answer(self, handler: BaseHTTPRequestHandler, raw: bytes) -> None:
+        target = urlsplit(handler.path)
+        if target.scheme != "http" or target.hostname != "127.0.0.1":
+            handler.send_error(403, "this test proxy forwards only to http://127.0.0.1")
+            return
+        _forward(handler, raw, f"http://127.0.0.1:{target.port}", target.path)
+
+
+def _forward(handler: BaseHTTPRequestHandler, raw: bytes, target: str, path: str) -> None:
+    """Send the request to ``target`` at ``path`` and its answer back."""
+    headers = {k: v for k, v in handler.headers.items() if k.lower() not in ("host", "connection", "proxy-connection")}
+    upstream = http.client.HTTPConnection(urlsplit(target).hostname, urlsplit(target).port, timeout=120)
+    try:
+        upstream.request(handler.command, path, body=raw or None, headers=headers)
+        response = upstream.getresponse()
+        body = response.read()
+    finally:
+        upstream.close()
+    handler.send_response(response.status)
+    handler.send_header("Content-Type", response.getheader("Content-Type", "application/json"))
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
 
 
 @contextmanager
