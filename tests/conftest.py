@@ -75,3 +75,21 @@ def comfy_server(tiny_models, tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def pe_server(tiny_models, tmp_path_factory):
+    """A real OpenAI-compatible server (``transformers serve``) on the tiny PE, one per test module."""
+    from helpers.pe_servers import transformers_serve
+
+    with transformers_serve(tiny_models["pe_folder"], tmp_path_factory.mktemp("serve")) as url:
+        yield url
+
+
+@pytest.fixture
+def fault():
+    """The fault server: answers a real server cannot be made to give (5xx, hangs, malformed bodies)."""
+    from helpers.pe_servers import FaultServer
+
+    with FaultServer() as server:
+        yield server

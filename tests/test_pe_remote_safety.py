@@ -23,7 +23,6 @@ from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
 from comfyui_ernie_image.nodes.pe.nodes import ErnieImagePERemote
 from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, SamplingParams, chat_messages
 from comfyui_ernie_image.nodes.pe.remote import RemotePromptEnhancer
-from comfyui_ernie_image.nodes.pe.runtime import Runtime
 from helpers.pe_servers import (
     FaultServer,
     ForwardProxy,
@@ -31,19 +30,13 @@ from helpers.pe_servers import (
     Reply,
     chat_reply,
     models_reply,
-    transformers_serve,
+    remote,
 )
 
 PROMPT = [PromptSpec("a big dog on a red mat", 848, 1264)]
 SAMPLED = SamplingParams(temperature=0.6, top_p=0.8, max_new_tokens=20, seed=3)
 KEY, SECRET = "ERNIE_PE_API_KEY_SAFETY", "sk-safety-0123456789"
 TRICKLE = Reply(size=200, piece=1, pace=0.05)  # one byte every 50 ms: 10 s for the whole answer
-
-
-@pytest.fixture(scope="module")
-def pe_server(tiny_models, tmp_path_factory):
-    with transformers_serve(tiny_models["pe_folder"], tmp_path_factory.mktemp("serve")) as url:
-        yield url
 
 
 @pytest.fixture
@@ -54,19 +47,9 @@ def proxies(pe_server):
 
 
 @pytest.fixture
-def fault():
-    with FaultServer() as server:
-        yield server
-
-
-@pytest.fixture
 def other_host():
     with FaultServer() as server:
         yield server
-
-
-def remote(url: str, **options) -> RemotePromptEnhancer:
-    return RemotePromptEnhancer(url, runtime=Runtime(), **options)
 
 
 def remote_node(base_url: str, api_key_env: str = "") -> RemotePromptEnhancer:
