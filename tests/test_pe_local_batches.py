@@ -82,7 +82,7 @@ def handle(tiny_models, runtime: Runtime, decode: str = "generate") -> LocalProm
 
 def free_for(pe: LocalPromptEnhancer, rows: int, specs=SPECS) -> int:
     """Free memory that holds ``rows`` prompts of ``specs`` by the PE's own estimate."""
-    length = pe._encode(specs)[0].shape[1]
+    length = max(map(len, pe._token_rows(specs)))
     return int(rows * row_bytes(pe._model.config, length, PARAMS.max_new_tokens, pe._model.dtype) / MEMORY_SHARE) + 1
 
 
@@ -113,7 +113,7 @@ def test_100_prompts_run_in_batches_that_fit_the_free_memory_with_the_same_texts
 
     with LiveTensorBytes() as whole:  # the same list as one batch, as before
         bar = Runtime().progress(len(SPECS))
-        assert [c.text for c in pe._enhance_batch(SPECS, PARAMS, len(SPECS), bar, 0)] == one_by_one
+        assert [c.text for c in pe._enhance_batch(pe._token_rows(SPECS), PARAMS, len(SPECS), bar, 0)] == one_by_one
     assert chunked.peak * 10 < whole.peak, (chunked.peak, whole.peak)
 
 

@@ -121,7 +121,8 @@ class LocalPromptEnhancer:
         if not specs:
             return []
         self._ensure_loaded()
-        rows = self._plan_rows(specs, params)
+        prompts = self._token_rows(specs)  # tokenized once: the plan and every batch use them
+        rows = self._plan_rows(max(map(len, prompts)), len(specs), params)
         bar = self.runtime.progress(len(specs))
         completions: list[Completion] = []
         try:
@@ -129,7 +130,7 @@ class LocalPromptEnhancer:
                 if self.runtime.should_stop():
                     raise GenerationStopped("stopped between two batches")
                 done = len(completions)
-                batch = specs[done:done + next_batch(done, len(specs), rows)]
+                batch = prompts[done:done + next_batch(done, len(specs), rows)]
                 pad = self._decoder is not None and rows < len(specs)  # every batch in one static-cache bucket
                 try:
                     texts = self._enhance_batch(batch, params, rows if pad else len(batch), bar, done)
@@ -148,13 +149,13 @@ class LocalPromptEnhancer:
             raise
         return completions
 
-    def _plan_rows(self, specs: Sequence[PromptSpec], params: SamplingParams) -> int:
-        """Prompts per batch: model management first makes room for a whole batch where it can (unloading other
-        models), then the host measures what is free beside the loaded weights."""
-        length = self._encode(specs)[0].shape[1]  # the longest prompt sizes every batch
+    def _plan_rows(self, length: int, count: int, params: SamplingParams) -> int:
+        """Prompts per batch for ``count`` prompts of at most ``length`` tokens (the longest sizes every batch):
+        model management first makes room for a whole batch where it can (unloading other models), then the host
+        measures what is free beside the loaded weights."""
         per_row = row_bytes(self._model.config, length, params.max_new_tokens, self._model.dtype)
-        self._load(per_row * min(len(specs), MAX_ROWS))
-        return batch_rows(self.runtime.free_memory(self._device), per_row, len(specs), self._device)
+        self._load(per_row * min(count, MAX_ROWS))
+        return batch_rows(self.runtime.free_memory(self._device), per_row, count, self._device)
 
     def _halve(self, rows: int) -> int:
         """After running out of memory (the estimate missed something): the power of two below ``rows`` (about
@@ -164,20 +165,20 @@ class LocalPromptEnhancer:
         logging.warning("ERNIE-Image PE: out of memory with %d prompts in a batch; going on with %d", rows, smaller)
         return smaller
 
-    def _enhance_batch(self, specs: Sequence[PromptSpec], params: SamplingParams, rows: int,
+    def _enhance_batch(self, prompts: list[list[int]], params: SamplingParams, rows: int,
                        bar: Callable[[float], None], done: int) -> list[Completion]:
-        """One batch, padded to ``rows`` with copies of its first prompt (their texts are dropped)."""
-        input_ids, attention_mask = self._encode([*specs, *[specs[0]] * (rows - len(specs))])
+        """One batch of tokenized prompts, padded to ``rows`` with copies of its first (their texts are dropped)."""
+        input_ids, attention_mask = self._left_pad([*prompts, *[prompts[0]] * (rows - len(prompts))])
         batch, length = input_ids.shape
         self._load(kv_cache_bytes(self._model.config, *StaticDecoder.shape(batch, length, params.max_new_tokens),
                                   self._model.dtype))
         host = self.runtime
-        self.runtime = PromptProgress(host, bar, done, len(specs))  # what _generate reports moves the prompt bar
+        self.runtime = PromptProgress(host, bar, done, len(prompts))  # what _generate reports moves the prompt bar
         try:
             tokens = self._generate(input_ids.to(self._device), attention_mask.to(self._device), params)
         finally:
             self.runtime = host
-        return [self._completion(row, params) for row in tokens[:len(specs)].cpu().tolist()]
+        return [self._completion(row, params) for row in tokens[:len(prompts)].cpu().tolist()]
 
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         args = (input_ids, attention_mask, params, self._eos_ids(), self._pad_id(), self.runtime.should_stop,
@@ -204,14 +205,17 @@ class LocalPromptEnhancer:
         with torch.inference_mode():
             return generate_plain(self._model, *args)
 
-    def _encode(self, specs: Sequence[PromptSpec]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chat-template each prompt (no generation prompt) and left-pad them into one batch."""
-        rows = [
-            self._tokenizer.apply_chat_template(
+    def _token_rows(self, specs: Sequence[PromptSpec]) -> list[list[int]]:
+        """Each prompt chat-templated (no generation prompt) into token ids."""
+        return [
+            list(self._tokenizer.apply_chat_template(
                 spec.messages(), add_generation_prompt=False, tokenize=True, return_dict=True
-            )["input_ids"]
+            )["input_ids"])
             for spec in specs
         ]
+
+    def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token rows left-padded into one batch: ids and attention mask."""
         length = max(map(len, rows))
         input_ids = torch.tensor([[self._pad_id()] * (length - len(r)) + list(r) for r in rows])
         attention_mask = torch.tensor([[0] * (length - len(r)) + [1] * len(r) for r in rows])
