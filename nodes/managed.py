@@ -47,9 +47,10 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 
 
 def out_of_memory(error: torch.OutOfMemoryError, advice: str) -> torch.OutOfMemoryError:
-    """``error`` with ERNIE-Image's ``advice`` after it: still an out-of-memory error, so that ComfyUI frees its
-    models as for any other (its own tip is about batch sizes)."""
-    return torch.OutOfMemoryError(f"{error}\nERNIE-Image: {advice}")
+    """ERNIE-Image's ``advice``, then ``error``'s own text: still an out-of-memory error, so that ComfyUI frees its
+    models as for any other (its own tip is about batch sizes). The advice comes first because CUDA's text is long
+    and views of an error (a dialog, a log line) are cut from the end."""
+    return torch.OutOfMemoryError(f"ERNIE-Image: {advice}\n{error}")
 
 
 class WholeModelPatcher(comfy.model_patcher.ModelPatcher):
