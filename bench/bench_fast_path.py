@@ -5,7 +5,7 @@ tokens (batched CFG pads the negative: the mask case). In one process:
 
 1. attention alone at the DiT's shape (32 heads of 128, 4352 tokens) on each SDPA kernel, with and without a mask;
 2. one DiT forward, batch 1 (Turbo) and batch 2 (Base CFG, masked): diffusers' forward eager and compiled, the pack's
-   forward (``nodes/dit/forward.py``) eager per attention kernel and compiled (the loader's default), the compiled
+   DiT (``nodes/dit/dit.py``) eager per attention kernel and compiled (the loader's default), the compiled
    blocks replayed from a CUDA graph, and FP8 (torchao per-row, the loader's ``fp8_per_row``) eager and compiled;
    relative error of each against the same weights in fp32 (diffusers' forward, fp32 activations);
 3. a profile of the compiled bf16 and FP8 forwards (top kernels by GPU time);
@@ -29,7 +29,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from bench_dit_sampling import comfy_sampling
-from common import TRUE_DIT, cuda_time, machine, random_true_size_dit, use_comfyui
+from common import TRUE_DIT, cuda_time, machine, pack_dit, pack_forward, random_true_size_dit, use_comfyui
 
 LATENT, TOKENS, NEGATIVE = 64, 256, 40
 TEXT_DIM, HEADS, HEAD_DIM = TRUE_DIT["text_in_dim"], TRUE_DIT["num_attention_heads"], 128
@@ -154,10 +154,15 @@ def diffusers_call(model, latents, timestep, text, lens):
         text_lens=torch.tensor(lens, device=latents.device), return_dict=False)[0]
 
 
-def pack_call(model, latents, timestep, text, lens):
-    from comfyui_ernie_image.nodes.dit.forward import ernie_forward
+_PACK_DITS: dict[int, torch.nn.Module] = {}
 
-    return ernie_forward(model, latents, timestep, text, lens)
+
+def pack_call(model, latents, timestep, text, lens):
+    """The pack's DiT (built once per diffusers model, sharing its weights) on these inputs."""
+    if id(model) not in _PACK_DITS:
+        _PACK_DITS[id(model)] = pack_dit(model, latents.dtype)
+    dit = _PACK_DITS[id(model)]
+    return pack_forward(dit, latents, timestep, text, lens)
 
 
 @torch.inference_mode()
@@ -421,12 +426,10 @@ def end_to_end(transformer, fp8) -> None:
 @torch.inference_mode()
 def plain_loop(transformer, noise, text, sigmas: list[float]) -> torch.Tensor:
     """The Euler loop alone (no ComfyUI), on the pack's forward: what sampling costs without a host framework."""
-    from comfyui_ernie_image.nodes.dit.forward import ernie_forward
-
     x = noise
     for sigma, next_sigma in zip(sigmas[:-1], sigmas[1:], strict=True):
         t = torch.full((1,), 1000 * sigma, device="cuda", dtype=torch.bfloat16)
-        x = x + (next_sigma - sigma) * ernie_forward(transformer, x, t, text[None], [text.shape[0]])
+        x = x + (next_sigma - sigma) * pack_call(transformer, x, t, text[None], [text.shape[0]])
     return x
 
 

@@ -26,7 +26,7 @@ from functools import partial
 
 import torch
 from bench_dit_sampling import comfy_sampling
-from common import TRUE_DIT, cuda_time, machine, random_true_size_dit, use_comfyui
+from common import TRUE_DIT, cuda_time, machine, pack_dit, pack_forward, random_true_size_dit, use_comfyui
 
 DEVICE = torch.device("cuda")
 LATENT, TEXT_TOKENS = 64, 256
@@ -45,15 +45,13 @@ def free() -> None:
 def seeded_dit() -> torch.nn.Module:
     """The same random bf16 weights on every call."""
     torch.manual_seed(0)
-    return random_true_size_dit(device=DEVICE)
+    return pack_dit(random_true_size_dit(device=DEVICE))
 
 
 @torch.inference_mode()
 def forward(model, inputs: dict) -> torch.Tensor:
     """The pack's forward (what its MODEL runs)."""
-    from comfyui_ernie_image.nodes.dit.forward import ernie_forward
-
-    return ernie_forward(model, **inputs)
+    return pack_forward(model, **inputs)
 
 
 def forward_ms(model, inputs: dict) -> float:

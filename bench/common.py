@@ -18,12 +18,16 @@ TRUE_DIT = dict(
 )
 
 
-def use_comfyui(comfy_dir: Path = REPO / ".cache" / "comfyui") -> None:
-    """Import ComfyUI's core (GPU mode) and the pack as ``comfyui_ernie_image``, as the tests do."""
+def use_comfyui(comfy_dir: Path = REPO / ".cache" / "comfyui", cpu: bool = False) -> None:
+    """Import ComfyUI's core (GPU mode, or ``--cpu``) and the pack as ``comfyui_ernie_image``, as the tests do."""
     import importlib.util
 
     sys.argv = sys.argv[:1]
     sys.path.insert(0, str(comfy_dir))
+    if cpu:
+        from comfy.cli_args import args
+
+        args.cpu = True  # before comfy.model_management is imported, as the tests' conftest does
     spec = importlib.util.spec_from_file_location(
         "comfyui_ernie_image", REPO / "__init__.py", submodule_search_locations=[str(REPO)]
     )
@@ -46,6 +50,19 @@ def random_true_size_dit(dtype: torch.dtype = torch.bfloat16, device: str = "cud
         else:
             param.normal_(0.0, 0.02)
     return model.eval()
+
+
+def pack_dit(model, dtype: torch.dtype = torch.bfloat16):
+    """The pack's DiT (``nodes/dit/dit.py``, what its MODEL runs) with a diffusers DiT's weights (shared)."""
+    from comfyui_ernie_image.nodes.dit.build import build_diffusion_model
+
+    config = {k: v for k, v in model.config.items() if not k.startswith("_")}
+    return build_diffusion_model(model.state_dict(), config, dtype)
+
+
+def pack_forward(dit, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor, text_lens: list[int]):
+    """One forward of the pack's DiT as its MODEL runs it, without ComfyUI's wrappers."""
+    return dit._forward(latents, timestep, text, text_lens)
 
 
 def cuda_time(fn, repeats: int = 1) -> float:

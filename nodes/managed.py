@@ -1,12 +1,12 @@
-"""Hand foreign (transformers / diffusers) modules to ComfyUI's model management, whole or not at all.
+"""Hand foreign (transformers, torchao, SVDQuant) modules to ComfyUI's model management, whole or not at all.
 
 Core's partial ("lowvram") loading keeps the weights of core ``ops`` layers on the CPU and casts them to the GPU at
-each call. The pack's models (the DiT, the text encoder, the Prompt Enhancer) are made of diffusers' and
-transformers' plain torch modules (and torchao or SVDQuant layers once quantized), which that loading neither moves
-nor casts: a partly loaded model would run some layers on the wrong device. ComfyUI loads partly when the model does
-not fit in the free memory, and always under ``--novram``. So the rule here is: every load is a full load (ComfyUI
-first unloads other models to make room, as for any model), and when ComfyUI needs the memory back, the model is
-unloaded whole. To fit a smaller GPU, quantize the DiT (``fp8_per_row`` halves its weights).
+each call. The text encoder and the Prompt Enhancer are made of transformers' plain torch modules, and a quantized
+DiT of torchao's or SVDQuant's layers, which that loading neither moves nor casts: a partly loaded model would run
+some layers on the wrong device. (The DiT in bf16, fp32 or fp8 storage is made of core's ``ops`` layers and loads in
+part like core's models.) ComfyUI loads partly when the model does not fit in the free memory, and always under
+``--novram``. So the rule here is: every load is a full load (ComfyUI first unloads other models to make room, as
+for any model), and when ComfyUI needs the memory back, the model is unloaded whole.
 
 Models move between devices outside inference mode, although ComfyUI runs every node inside it: there, ``.to``
 reaches torchao's quantized weights undecomposed and their aliasing fix-up fails ("Attempted to set the storage of

@@ -185,57 +185,6 @@ def test_errors_name_the_problem(plain):
         apply_cache(NotErnie(), CacheJob(CacheSettings(), "x", None))
 
 
-class NativeLikeDiT(torch.nn.Module):
-    """Shaped like ComfyUI's native ERNIE-Image (>= 0.19): the diffusion model holds ``layers`` itself, builds
-    ``temb`` once before its loop and passes no attention mask. Reuses the tiny DiT's blocks and embeddings."""
-
-    def __init__(self, transformer):
-        super().__init__()
-        self.t = transformer
-        self.layers = transformer.layers
-
-    def forward(self, x, sigma):
-        t = self.t
-        S, B = x.shape[0], x.shape[1]
-        temb = [m.unsqueeze(0).expand(S, -1, -1) for m in t.adaLN_modulation(t.time_embedding(
-            t.time_proj(sigma * 1000).to(x.dtype))).chunk(6, dim=-1)]
-        rope = t.pos_embed(torch.zeros(B, S, 3))
-        for layer in self.layers:
-            x = layer(x, rope, temb)
-        return x
-
-
-def test_the_native_layout_is_found_and_cached(plain):
-    native = NativeLikeDiT(plain.model.diffusion_model.transformer)
-
-    class NativeModel:
-        model = type("BaseModel", (), {"diffusion_model": native})()
-
-    holder, name = dit_blocks(NativeModel())
-    assert holder is native and name == "layers"
-    x, sigmas = torch.randn(20, 1, 64, generator=torch.manual_seed(0)), reference_sigmas(8)
-
-    def steps(run: CacheRun | None) -> list[torch.Tensor]:
-        outs = []
-        for i, s in enumerate(sigmas[:-1]):
-            if run is not None:
-                run.activate((0,), i)
-            outs.append(native(x, s.reshape(1)))
-        return outs
-
-    with torch.inference_mode():
-        uncached = steps(None)
-        run = CacheRun(native, "layers", STATIC_MEDIUM, steps=8)
-        run.install()
-        try:
-            result = steps(run)
-        finally:
-            run.remove()
-    assert "forward" not in vars(native)
-    for i, computed in enumerate([1, 1, 1, 1, 0, 1, 0, 1]):
-        assert torch.equal(result[i], uncached[i]) == bool(computed), i
-
-
 def test_a_second_order_sampler_is_masked_by_sigma(plain):
     """Heun calls the model twice per step (at sigma i, then at sigma i+1): the mask follows the sigmas."""
     counter = CallCounter(plain, [0, FN])

@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import save_file
 
 from comfyui_ernie_image.nodes.dit import weights
+from comfyui_ernie_image.nodes.dit.build import load_dit
 from comfyui_ernie_image.nodes.dit.schedule import reference_sigmas, snapshot_shift
-from comfyui_ernie_image.nodes.dit.weights import config_from_state_dict, load_transformer
+from comfyui_ernie_image.nodes.dit.weights import config_from_state_dict
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.model_files import read_safetensors
 from helpers.files import snapshot_with_truncated_file
@@ -45,15 +46,15 @@ def test_released_model_shapes_give_the_released_config():
 
 
 def test_single_file_and_snapshot_load_the_same_weights(tiny_models):
-    from_file = load_transformer(tiny_models["single_file"], torch.float32)
-    from_snapshot = load_transformer(tiny_models["snapshot"], torch.float32)
+    from_file = load_dit(tiny_models["single_file"], torch.float32)
+    from_snapshot = load_dit(tiny_models["snapshot"], torch.float32)
     a, b = from_file.state_dict(), from_snapshot.state_dict()
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_bf16_weight_dtype_is_applied(tiny_models):
-    model = load_transformer(tiny_models["single_file"], torch.bfloat16)
+    model = load_dit(tiny_models["single_file"], torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
@@ -61,14 +62,14 @@ def test_non_safetensors_file_is_refused(tmp_path):
     pickle = tmp_path / "ernie.ckpt"
     pickle.write_bytes(b"not loaded")
     with pytest.raises(ErnieImageError, match=r"ernie\.ckpt is not a \.safetensors file"):
-        load_transformer(pickle, torch.float32)
+        load_dit(pickle, torch.float32)
 
 
 @pytest.mark.parametrize("config", ["transformer/config.json", "scheduler/scheduler_config.json"])
 def test_truncated_config_is_named(tiny_models, tmp_path, config):
     snapshot = snapshot_with_truncated_file(tiny_models["snapshot"], tmp_path, config, keep_bytes=20)
     with pytest.raises(ErnieImageError, match=rf"{config.split('/')[1]} .*damaged or incomplete.*download it again"):
-        load_transformer(snapshot, torch.float32) if config.startswith("transformer") else snapshot_shift(snapshot)
+        load_dit(snapshot, torch.float32) if config.startswith("transformer") else snapshot_shift(snapshot)
 
 
 def test_a_config_that_is_not_a_json_object_is_named(tiny_models, tmp_path):
@@ -86,7 +87,7 @@ def test_one_shard_of_a_sharded_dit_says_to_use_the_snapshot(tiny_models, tmp_pa
     save_file({k: v for k, v in state.items() if not k.startswith(("final_", "layers.1."))}, shard)
     with pytest.raises(ErnieImageError, match=r"holds only part of an ERNIE-Image DiT \(no final_linear.weight\): "
                                               r"it looks like one shard .* whole snapshot folder under models/diffus"):
-        load_transformer(shard, torch.float32)
+        load_dit(shard, torch.float32)
 
 
 def test_a_wrong_model_is_named_from_the_file_header_before_its_tensors_are_read(tmp_path, monkeypatch):
@@ -99,7 +100,7 @@ def test_a_wrong_model_is_named_from_the_file_header_before_its_tensors_are_read
     monkeypatch.setattr(weights, "read_safetensors", lambda path: reads.append(path) or read_safetensors(path))
     with pytest.raises(ErnieImageError, match=r"sd_xl_base.safetensors is not an ERNIE-Image diffusion model \(it "
                                               r"looks like a Stable Diffusion checkpoint\)"):
-        load_transformer(sdxl, torch.float32)
+        load_dit(sdxl, torch.float32)
     assert reads == []
 
 
@@ -107,7 +108,7 @@ def test_truncated_shard_in_snapshot_is_named(tiny_models, tmp_path):
     shard = "transformer/diffusion_pytorch_model.safetensors"
     snapshot = snapshot_with_truncated_file(tiny_models["snapshot"], tmp_path, shard)
     with pytest.raises(ErnieImageError, match=r"diffusion_pytorch_model\.safetensors .*damaged or incomplete"):
-        load_transformer(snapshot, torch.float32)
+        load_dit(snapshot, torch.float32)
 
 
 @pytest.mark.parametrize("steps", [1, 8, 50])
@@ -130,3 +131,77 @@ def test_core_simple_schedule_equals_reference_when_steps_divide_1000(steps):
     model = ErnieImageModel(ErnieImageConfig(ErnieImageConfig.unet_config), Tiny())
     simple = comfy.samplers.simple_scheduler(model.model_sampling, steps)
     assert torch.allclose(simple, reference_sigmas(steps), atol=1e-6)
+
+
+def _block_linear_dtypes(model) -> set[torch.dtype]:
+    return {m.weight.dtype for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and n.startswith("layers.")}
+
+
+def _prediction(model) -> torch.Tensor:
+    torch.manual_seed(3)
+    latents, text = torch.randn(1, 128, 4, 4), torch.randn(1, 5, 32)
+    with torch.no_grad():
+        return model._forward(latents, torch.tensor([600.0]), text, [5])
+
+
+def test_an_fp8_single_file_stays_fp8_and_predicts_like_its_source(tiny_models, tmp_path):
+    """The community's fp8 files (block weights in fp8, no scales): loaded as they are (bytes measured), cast per
+    layer as it runs; the prediction stays within fp8 rounding of the full-precision source's."""
+    source = read_safetensors(tiny_models["single_file"])
+    fp8_file = tmp_path / "ernie-image-turbo-fp8.safetensors"
+    save_file({k: v.to(torch.float8_e4m3fn) if k.startswith("layers.") and v.ndim == 2 else v
+               for k, v in source.items()}, fp8_file)
+    full, fp8 = load_dit(tiny_models["single_file"], torch.float32), load_dit(fp8_file, torch.float32)
+    assert _block_linear_dtypes(fp8) == {torch.float8_e4m3fn} and fp8.dtype == torch.float8_e4m3fn
+
+    def weight_bytes(model):
+        return sum(p.nbytes for p in model.parameters())
+
+    blocks = sum(m.weight.numel() for n, m in full.named_modules() if isinstance(m, torch.nn.Linear)
+                 and n.startswith("layers."))
+    assert weight_bytes(full) - weight_bytes(fp8) == 3 * blocks  # 4 bytes per weight -> 1
+    expected, ours = _prediction(full), _prediction(fp8)
+    error = ((ours - expected).norm() / expected.norm()).item()
+    assert 0 < error < 0.1
+
+
+def test_an_fp8_weight_dtype_stores_the_blocks_in_fp8(tiny_models):
+    model = load_dit(tiny_models["single_file"], torch.float32, torch.float8_e5m2)
+    assert _block_linear_dtypes(model) == {torch.float8_e5m2}
+    assert model.x_embedder.proj.weight.dtype == torch.float32  # the rest computes as it is
+
+
+def _scaled_fp8(source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The community's scaled fp8 layout: each block linear weight as fp8 of weight / scale, its fp32
+    ``scale_weight`` beside it (scaled to fp8's range), and the ``scaled_fp8`` marker."""
+    scaled = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
+    for k, v in source.items():
+        if k.startswith("layers.") and v.ndim == 2:
+            scale = v.abs().max().float() / 448.0
+            scaled[k], scaled[k[: -len("weight")] + "scale_weight"] = (v / scale).to(torch.float8_e4m3fn), scale
+        else:
+            scaled[k] = v
+    return scaled
+
+
+def test_a_scaled_fp8_file_stays_fp8_and_predicts_like_its_source(tiny_models, tmp_path):
+    source = read_safetensors(tiny_models["single_file"])
+    scaled_file = tmp_path / "ernie-image-turbo-fp8-scaled.safetensors"
+    save_file(_scaled_fp8(source), scaled_file)
+    full, scaled = load_dit(tiny_models["single_file"], torch.float32), load_dit(scaled_file, torch.float32)
+    assert _block_linear_dtypes(scaled) == {torch.float8_e4m3fn}
+    expected, ours = _prediction(full), _prediction(scaled)
+    assert 0 < ((ours - expected).norm() / expected.norm()).item() < 0.1
+    # The same file upcast (as a quantization method starts from it): the scales folded into the weights.
+    upcast = load_dit(scaled_file, torch.float32, torch.float32)
+    assert _block_linear_dtypes(upcast) == {torch.float32}
+    torch.testing.assert_close(_prediction(upcast), ours, rtol=1e-4, atol=1e-5)
+
+
+def test_a_checkpoint_style_single_file_loads_under_its_prefix(tiny_models, tmp_path):
+    source = read_safetensors(tiny_models["single_file"])
+    prefixed = tmp_path / "ernie-image-checkpoint.safetensors"
+    save_file({f"model.diffusion_model.{k}": v for k, v in source.items()}, prefixed)
+    ours = load_dit(prefixed, torch.float32).state_dict()
+    assert ours.keys() == source.keys() and all(torch.equal(ours[k], source[k]) for k in source)

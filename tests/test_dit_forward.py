@@ -1,24 +1,35 @@
-"""The pack's DiT forward against diffusers' own, and the attention-kernel choice (engine, no server)."""
+"""The pack's DiT (``dit.py``) against diffusers' own on the same weights, its keys, and the attention-kernel choice
+(engine, no server)."""
 
 from __future__ import annotations
 
+import comfy.ops
 import pytest
 import torch
 from diffusers import ErnieImageTransformer2DModel
 
-from comfyui_ernie_image.nodes.dit import forward as forward_module
 from comfyui_ernie_image.nodes.dit.attention import ATTENTION_ENV, attention_choice, backend_order
-from comfyui_ernie_image.nodes.dit.forward import ernie_forward
+from comfyui_ernie_image.nodes.dit.build import build_diffusion_model
+from comfyui_ernie_image.nodes.dit.dit import ErnieImageDiT
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from tiny_models import TINY_DIT, randomise_zero_init
 
 
 @pytest.fixture(scope="module")
-def dit() -> ErnieImageTransformer2DModel:
+def reference() -> ErnieImageTransformer2DModel:
     torch.manual_seed(0)
     model = ErnieImageTransformer2DModel(**TINY_DIT).eval()
     randomise_zero_init(model, torch.Generator().manual_seed(0))
     return model
+
+
+@pytest.fixture(scope="module")
+def dit(reference) -> ErnieImageDiT:
+    return build_diffusion_model(reference.state_dict(), TINY_DIT, torch.float32)
+
+
+def ernie_forward(dit, latents, timestep, text, lengths):
+    return dit._forward(latents, timestep, text, lengths)
 
 
 def _inputs(lengths: list[int], height: int = 6, width: int = 4):
@@ -33,24 +44,37 @@ def _inputs(lengths: list[int], height: int = 6, width: int = 4):
 
 
 @pytest.mark.parametrize("lengths", [[7], [5, 5], [9, 4], [3, 8, 8]], ids=str)
-def test_forward_equals_diffusers(dit, lengths):
+def test_forward_equals_diffusers(reference, dit, lengths):
     latents, timestep, text = _inputs(lengths)
     with torch.no_grad():
-        reference = ErnieImageTransformer2DModel.forward(
-            dit, hidden_states=latents, timestep=timestep, text_bth=text, text_lens=torch.tensor(lengths),
-            return_dict=False)[0]
+        expected = reference(hidden_states=latents, timestep=timestep, text_bth=text, text_lens=torch.tensor(lengths),
+                             return_dict=False)[0]
         ours = ernie_forward(dit, latents, timestep, text, lengths)
-    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_released_keys_load_both_ways(reference, dit):
+    """diffusers' state dict loads into the pack's DiT with no missing or unexpected key, and back."""
+    ours = dit.state_dict()
+    assert ours.keys() == reference.state_dict().keys()
+    with torch.device("meta"):
+        back = ErnieImageTransformer2DModel(**TINY_DIT)
+    back.load_state_dict(ours, strict=True, assign=True)  # raises on a missing or unexpected key
+    with torch.device("meta"):
+        again = ErnieImageDiT(**TINY_DIT, operations=comfy.ops.disable_weight_init)
+    again.load_state_dict(reference.state_dict(), strict=True, assign=True)
 
 
 def test_mask_only_when_some_text_is_padded(dit, monkeypatch):
-    seen = []
-    real = forward_module._key_mask
-    monkeypatch.setattr(forward_module, "_key_mask", lambda *a: seen.append(a) or real(*a))
+    masks = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, attn_mask=None: masks.append(attn_mask) or real(*a, attn_mask=attn_mask))
     with torch.no_grad():
         for lengths in ([6, 6], [6, 2]):
+            masks.clear()
             ernie_forward(dit, *_inputs(lengths), lengths)
-    assert len(seen) == 1 and seen[0][0] == [6, 2]
+            assert {m is None for m in masks} == {lengths == [6, 6]}
 
 
 def test_padding_does_not_change_a_prompt(dit):

@@ -15,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 from torch.testing._internal.two_tensor import TwoTensor
 
 from comfyui_ernie_image.nodes.accel.quantize import quantization_device
+from comfyui_ernie_image.nodes.dit.build import build_diffusion_model
 from comfyui_ernie_image.nodes.dit.model import make_model_patcher
 from comfyui_ernie_image.nodes.managed import WholeModelPatcher, place, usable_memory
 from comfyui_ernie_image.nodes.text.managed import ManagedTextEncoder
@@ -23,10 +24,15 @@ from tiny_models import TINY_DIT
 GPU = torch.device("meta")
 
 
+def tiny_dit():
+    """The pack's tiny DiT with diffusers' initial weights."""
+    return build_diffusion_model(ErnieImageTransformer2DModel(**TINY_DIT).state_dict(), TINY_DIT, torch.float32)
+
+
 @pytest.fixture(params=["DiT", "text encoder"])
 def patcher(request, tiny_models) -> WholeModelPatcher:
     if request.param == "DiT":
-        return make_model_patcher(ErnieImageTransformer2DModel(**TINY_DIT))
+        return make_model_patcher(tiny_dit(), whole=True)  # as quantized DiTs are
     return ManagedTextEncoder.from_snapshot(tiny_models["snapshot"]).patcher
 
 
@@ -82,16 +88,16 @@ def test_quantized_weights_count_by_what_they_hold():
     refuses ``detach`` inside it ("Cannot set version_counter for inference tensor", seen with torchao 0.17 on the
     H200), so the size must not come from ``state_dict()``. It is asked under inference mode, as ComfyUI's executor
     runs every node."""
-    transformer = ErnieImageTransformer2DModel(**TINY_DIT)
-    plain = make_model_patcher(transformer).model_size()
+    transformer = tiny_dit()
+    plain = make_model_patcher(transformer, whole=True).model_size()
     layer = transformer.layers[0].mlp.gate_proj
     weight = layer.weight.detach()
     layer.weight = torch.nn.Parameter(TwoTensor(weight, weight.clone()), requires_grad=False)
-    patcher = make_model_patcher(transformer)
+    patcher = make_model_patcher(transformer, whole=True)
     with torch.inference_mode():
         assert patcher.model_size() == plain + weight.nbytes
     assert patcher.clone().model_size() == patcher.model_size()
-    assert patcher.model.diffusion_model.dtype == transformer.dtype == torch.float32  # diffusers' answer
+    assert patcher.model.diffusion_model.dtype == torch.float32
     with torch.inference_mode(), pytest.raises(RuntimeError, match="version_counter"):
         transformer.state_dict()  # what a size from the state dict would meet
 
@@ -112,7 +118,7 @@ class DeviceMoves(TorchFunctionMode):
 def test_the_dit_moves_outside_inference_mode():
     """ComfyUI loads and unloads models inside inference mode, where torchao's quantized weights cannot change device
     (``nodes/managed.py``): the DiT's moves run outside it."""
-    patcher = make_model_patcher(ErnieImageTransformer2DModel(**TINY_DIT))
+    patcher = make_model_patcher(tiny_dit(), whole=True)
     moves = DeviceMoves()
     with torch.inference_mode(), moves:
         patcher.load(GPU)
@@ -123,7 +129,7 @@ def test_the_dit_moves_outside_inference_mode():
 
 
 def test_quantization_runs_on_the_gpu_only_when_comfyui_counts_room_for_the_whole_dit():
-    transformer = ErnieImageTransformer2DModel(**TINY_DIT)
+    transformer = tiny_dit()
     needed = sum(p.nbytes for p in transformer.parameters()) + 2 * 2**30
     gpu = torch.device("cuda", 0)
     assert quantization_device(transformer, gpu, lambda device: needed) == gpu
@@ -145,7 +151,7 @@ def test_models_are_placed_outside_inference_mode_and_only_when_elsewhere():
     """Making the MODEL moved an FP8 DiT inside inference mode to where it already was, which failed on the H200
     ("Couldn't swap Linear.weight": the move detaches each torchao weight, refused there); the CPU cannot run
     torchao's path, so the moves themselves are watched."""
-    transformer = ErnieImageTransformer2DModel(**TINY_DIT)
+    transformer = tiny_dit()
     moves = DeviceMoves()
     with torch.inference_mode(), moves:
         make_model_patcher(transformer)  # the weights are on the offload device (the CPU) already
@@ -170,6 +176,7 @@ def test_fault_injected_out_of_memory_while_sampling_says_how_to_make_room(tiny_
     with OutOfMemoryInAttention(), pytest.raises(torch.OutOfMemoryError) as raised:
         sample(tiny_patcher(tiny_models["snapshot"]), steps=1)
     assert str(raised.value) == (
-        "ERNIE-Image: sampling ran out of GPU memory beside the DiT's weights. Make room: quantize the DiT in its loader "
-        "(fp8_per_row halves its weights), bypass ERNIE-Image Cache-DiT (its caches take memory at every step), make "
-        "the image smaller, or close other programs that use the GPU.\nCUDA out of memory. Tried to allocate 198.00 MiB")
+        "ERNIE-Image: sampling ran out of GPU memory beside the DiT's weights. Make room: quantize the DiT in its "
+        "loader (fp8_per_row halves its weights), bypass ERNIE-Image Cache-DiT (its caches take memory at every step), "
+        "make the image smaller, or close other programs that use the GPU.\n"
+        "CUDA out of memory. Tried to allocate 198.00 MiB")

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from comfyui_ernie_image.nodes.accel.quantize import load_or_build_svdq
 from comfyui_ernie_image.nodes.accel.svdq_cache import RECORD, SVDQCache, source_identity
-from comfyui_ernie_image.nodes.dit.weights import load_transformer
+from comfyui_ernie_image.nodes.dit.build import load_dit
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 
 METHOD = "svdq_int4_r32_dq"
@@ -182,7 +182,7 @@ def test_svdquant_dit_is_saved_reloaded_and_rebuilt_when_stale(svdq_without_kern
     from cache_dit.quantization import SVDQW4A4Linear
 
     def load():
-        return load_transformer(tiny_dit_file, torch.bfloat16)
+        return load_dit(tiny_dit_file, torch.bfloat16)
 
     def quantized():
         return load_or_build_svdq(load, METHOD, source=tiny_dit_file, device=torch.device("cpu"), cache=cache)
@@ -193,7 +193,8 @@ def test_svdquant_dit_is_saved_reloaded_and_rebuilt_when_stale(svdq_without_kern
     built = quantized()
     assert all(isinstance(block.mlp.gate_proj, SVDQW4A4Linear) for block in built.layers)
     for high_precision in (built.text_proj, built.adaLN_modulation[1], built.final_linear):
-        assert type(high_precision) is torch.nn.Linear and high_precision.weight.dtype == torch.bfloat16
+        assert isinstance(high_precision, torch.nn.Linear) and not isinstance(high_precision, SVDQW4A4Linear)
+        assert high_precision.weight.dtype == torch.bfloat16
     stamp = saved_stamp()
 
     reloaded = quantized()

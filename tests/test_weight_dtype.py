@@ -1,5 +1,5 @@
-"""``weight_dtype = default`` under ComfyUI's global unet dtype flags: a dtype the pack's DiT runs, or bf16 (fp32
-where bf16 is unsupported, as on this CPU) and one line in the log."""
+"""``weight_dtype = default`` under ComfyUI's global unet dtype flags: a dtype the pack's DiT runs, an fp8 storage
+(computing in bf16, fp32 where bf16 is unsupported, as on this CPU), or that fallback and one line in the log."""
 
 from __future__ import annotations
 
@@ -26,23 +26,31 @@ def flag(request, monkeypatch):
                          indirect=["flag"])
 def test_a_flag_the_dit_runs_in_is_followed_silently(flag, expected, caplog):
     with caplog.at_level(logging.WARNING):
-        assert dit_nodes._weight_dtype("default") == expected
+        assert dit_nodes._weight_dtypes("default") == (expected, expected)
     assert not caplog.records
 
 
-@pytest.mark.parametrize("flag", ["fp16_unet", "fp8_e4m3fn_unet", "fp8_e5m2_unet", "fp8_e8m0fnu_unet", "fp64_unet"],
-                         indirect=True)
+@pytest.mark.parametrize("flag, storage", [("fp8_e4m3fn_unet", torch.float8_e4m3fn),
+                                           ("fp8_e5m2_unet", torch.float8_e5m2)], indirect=["flag"])
+def test_an_fp8_flag_stores_the_weights_in_fp8(flag, storage, caplog):
+    with caplog.at_level(logging.WARNING):
+        assert dit_nodes._weight_dtypes("default") == (torch.float32, storage)  # computing in fp32: no bf16 here
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("flag", ["fp16_unet", "fp8_e8m0fnu_unet", "fp64_unet"], indirect=True)
 def test_a_flag_the_dit_cannot_run_falls_back_and_says_so_once(flag, caplog):
     asked = mm.unet_dtype(supported_dtypes=dit_nodes.RUNNABLE_DTYPES)
     with caplog.at_level(logging.WARNING):
-        assert dit_nodes._weight_dtype("default") == torch.float32  # no bf16 on this CPU
-        assert dit_nodes._weight_dtype("default") == torch.float32
+        assert dit_nodes._weight_dtypes("default") == (torch.float32, None)  # no bf16 on this CPU
+        assert dit_nodes._weight_dtypes("default") == (torch.float32, None)
     messages = [r.getMessage() for r in caplog.records]
     assert messages == [f"ERNIE-Image: ComfyUI's unet dtype flag asks for {asked}, which the ERNIE-Image DiT does not "
-                        "run in; loading it in torch.float32. For FP8 weights, use the loader's quantization input "
-                        "(fp8_per_row or fp8_weight_only)."]
+                        "run in; loading it in torch.float32. For FP8 weights, pick weight_dtype fp8_e4m3fn or the "
+                        "loader's quantization input (fp8_per_row)."]
 
 
 @pytest.mark.parametrize("flag", ["fp8_e4m3fn_unet"], indirect=True)
 def test_an_explicit_weight_dtype_wins_over_the_flag(flag):
-    assert dit_nodes._weight_dtype("bf16") == torch.bfloat16
+    assert dit_nodes._weight_dtypes("bf16") == (torch.bfloat16, torch.bfloat16)
+    assert dit_nodes._weight_dtypes("fp8_e5m2") == (torch.float32, torch.float8_e5m2)

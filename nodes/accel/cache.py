@@ -8,8 +8,8 @@ kind of model call, and takes everything out again when the run ends.
   cache-dit's ``ForwardPattern.Pattern_3``. cache-dit swaps the block list for one cached-blocks module for the
   duration of each forward; the forward's ``for layer in self.layers`` loop then runs once and hands that module
   the whole ``temb`` list, which the blocks share. That is all cache-dit's ERNIE patch functor ensures (it moves
-  ``temb = [...]`` before the loop), so no functor is applied: diffusers' forward and ComfyUI's native one (which
-  builds ``temb`` before its loop) both give the cached blocks the full list as they are.
+  ``temb = [...]`` before the loop), so no functor is applied: the pack's DiT and ComfyUI's native one both build
+  ``temb`` before their loop and give the cached blocks the full list as they are.
 - Contexts: cache-dit counts steps by calls and tells CFG passes apart by call parity; ComfyUI batches cond and
   uncond only when memory allows and skips uncond at CFG 1. So each kind of call (``cond_or_uncond``: cond,
   uncond, or both batched) gets its own cache context, and before each call its step counters are set to the

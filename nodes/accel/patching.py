@@ -48,12 +48,11 @@ class CacheJob:
 
 
 def dit_blocks(model: comfy.model_patcher.ModelPatcher) -> tuple[torch.nn.Module, str]:
-    """The module that holds the DiT's repeated blocks, and the attribute they are in: ``diffusion_model.
-    transformer.layers`` for this pack's MODEL, ``diffusion_model.layers`` for ComfyUI's native ERNIE-Image."""
+    """The module that holds the DiT's repeated blocks, and the attribute they are in: ``diffusion_model.layers``,
+    for this pack's MODEL and for ComfyUI's native ERNIE-Image alike."""
     diffusion_model = getattr(model.model, "diffusion_model", None)
-    for holder in (getattr(diffusion_model, "transformer", None), diffusion_model):
-        if isinstance(getattr(holder, "layers", None), torch.nn.ModuleList) and len(holder.layers) > 0:
-            return holder, "layers"
+    if isinstance(getattr(diffusion_model, "layers", None), torch.nn.ModuleList) and len(diffusion_model.layers) > 0:
+        return diffusion_model, "layers"
     raise ErnieImageError(
         f"This MODEL ({type(model.model).__name__}) is not an ERNIE-Image DiT: its diffusion model has no "
         "'layers' block list. Connect the MODEL of an ERNIE-Image loader (or ComfyUI's native ERNIE-Image)."

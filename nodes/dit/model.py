@@ -1,19 +1,17 @@
-"""diffusers' ``ErnieImageTransformer2DModel`` as a real ComfyUI MODEL (the ComfyUI adapter).
+"""The pack's ERNIE-Image DiT (``dit.py``) as a real ComfyUI MODEL (the ComfyUI adapter).
 
-Shaped like core's own models and ComfyUI-nunchaku's: a supported-model config (latent format, flow
-sampling with shift 4.0), a ``BaseModel`` subclass whose ``diffusion_model`` is the diffusers module behind
-a thin forward that speaks ComfyUI's calling convention, and a ``ModelPatcher`` for model management.
+Shaped like core's own models: a supported-model config (latent format, flow sampling with shift 4.0), a
+``BaseModel`` subclass whose ``diffusion_model`` is the DiT built from ``comfy.ops`` layers behind ComfyUI's
+calling convention, and core's ``ModelPatcher`` for model management (partial loading, LoRA patches by key:
+``diffusion_model.`` + the released keys).
 
 Text conditioning keeps each prompt's true length: ``ErnieTextCond`` pads with zeros when ComfyUI batches
 cond and uncond, and ``text_lens`` carries the true lengths as host integers (``ErnieTextLengths``), which is
 what the forward needs (masked padding, image RoPE positions start after the true text). Core's
 ``CONDCrossAttn`` would instead repeat the text, which the model would read as a different, longer prompt.
-The forward itself is the pack's (``forward.py``): diffusers' math without an all-true attention mask.
 """
 
 from __future__ import annotations
-
-import types
 
 import comfy.conds
 import comfy.latent_formats
@@ -26,10 +24,10 @@ import torch
 
 from ..errors import ErnieImageError
 from ..managed import WholeModelPatcher, out_of_memory, place
-from .forward import ernie_forward
+from .dit import ErnieImageDiT
 from .schedule import DEFAULT_SHIFT
 
-# The DiT is loaded whole, so what is left for sampling is the card less its weights (15 GiB in bf16).
+# What is left for sampling is the card less the DiT's weights on it (15 GiB in bf16 when loaded whole).
 SAMPLING_ADVICE = (
     "sampling ran out of GPU memory beside the DiT's weights. Make room: quantize the DiT in its loader "
     "(fp8_per_row halves its weights), bypass ERNIE-Image Cache-DiT (its caches take memory at every step), make the "
@@ -40,7 +38,7 @@ SAMPLING_ADVICE = (
 class ErnieImageConfig(comfy.supported_models_base.BASE):
     """What ComfyUI needs to know about the model besides its weights."""
 
-    unet_config = {"disable_unet_model_creation": True}  # the DiT comes built from diffusers
+    unet_config = {"disable_unet_model_creation": True}  # the loader builds the DiT (build.py)
     unet_extra_config = {}
     latent_format = comfy.latent_formats.Flux2  # 128 channels at H/16 x W/16, BN-normalised, as diffusers'
     sampling_settings = {"shift": DEFAULT_SHIFT, "multiplier": 1000}
@@ -82,25 +80,11 @@ class ErnieTextLengths(comfy.conds.CONDConstant):
         return [len(self.cond)]
 
 
-class ErnieImageDiffusionModel(torch.nn.Module):
-    """The diffusers DiT behind ComfyUI's ``diffusion_model(x, t, context=..., **conds)`` convention."""
-
-    def __init__(self, transformer: torch.nn.Module):
-        super().__init__()
-        # The pack's forward becomes the module's own: cache-dit wraps ``transformer.forward`` for a cached run,
-        # so the forward must be reached through that attribute.
-        transformer.forward = types.MethodType(ernie_forward, transformer)
-        self.transformer = transformer
-
-    @property
-    def dtype(self) -> torch.dtype:
-        # diffusers' answer (the first floating-point parameter's dtype; quantized weights report their original
-        # one) without its walk over all 558 modules, which ComfyUI's model call paid at every step (0.75 ms).
-        return next(p.dtype for p in self.transformer.parameters() if p.is_floating_point())
+class ErnieImageDiffusionModel(ErnieImageDiT):
+    """The pack's DiT behind ComfyUI's ``diffusion_model(x, t, context=..., **conds)`` convention, with core's
+    diffusion-model wrappers, a check of the latent, and out-of-memory advice."""
 
     def forward(self, x, timestep, context, text_lens, transformer_options={}, **kwargs):
-        # diffusers modules never call ComfyUI's per-op interrupt check: do it once per model call.
-        comfy.model_management.throw_exception_if_processing_interrupted()
         try:
             return comfy.patcher_extension.WrapperExecutor.new_class_executor(
                 self._forward,
@@ -113,28 +97,26 @@ class ErnieImageDiffusionModel(torch.nn.Module):
             raise out_of_memory(error, SAMPLING_ADVICE) from error
 
     def _forward(self, x, timestep, context, text_lens, transformer_options={}, **kwargs):
-        expected = self.transformer.config.in_channels
-        if x.ndim != 4 or x.shape[1] != expected:
+        if x.ndim != 4 or x.shape[1] != self.in_channels:
             raise ErnieImageError(
-                f"ERNIE-Image needs a {expected}-channel latent (Flux.2 format), got shape {tuple(x.shape)}. "
+                f"ERNIE-Image needs a {self.in_channels}-channel latent (Flux.2 format), got shape {tuple(x.shape)}. "
                 "Start from EmptyFlux2LatentImage, or encode images with the ERNIE-Image (Flux.2) VAE."
             )
-        # The reference pipeline hands the timestep to the DiT in the model's dtype.
-        return self.transformer(x, timestep.to(x.dtype), context, text_lens)
+        return super().forward(x, timestep, context, text_lens)
 
 
 class ErnieImageModel(comfy.model_base.BaseModel):
-    """A ComfyUI ``BaseModel`` (flow prediction, Flux.2 latents) around an ERNIE-Image DiT."""
+    """A ComfyUI ``BaseModel`` (flow prediction, Flux.2 latents) around the pack's ERNIE-Image DiT."""
 
-    def __init__(self, model_config: ErnieImageConfig, transformer: torch.nn.Module, device=None):
+    def __init__(self, model_config: ErnieImageConfig, diffusion_model: ErnieImageDiffusionModel, device=None):
         super().__init__(model_config, comfy.model_base.ModelType.FLOW, device=device)
-        self.diffusion_model = ErnieImageDiffusionModel(transformer)
+        self.diffusion_model = diffusion_model
 
     def extra_conds(self, **kwargs) -> dict:
         cross_attn = kwargs.get("cross_attn")
         if cross_attn is None:
             raise ErnieImageError("ERNIE-Image needs text conditioning: connect an ErnieImageTextEncode output.")
-        needed = self.diffusion_model.transformer.config.text_in_dim
+        needed = self.diffusion_model.text_in_dim
         if cross_attn.shape[-1] != needed:
             raise ErnieImageError(
                 f"This conditioning has {cross_attn.shape[-1]}-wide embeddings; ERNIE-Image needs {needed}-wide ones "
@@ -146,12 +128,19 @@ class ErnieImageModel(comfy.model_base.BaseModel):
         return {"c_crossattn": ErnieTextCond(cross_attn), "text_lens": ErnieTextLengths(lengths)}
 
 
-def make_model_patcher(transformer: torch.nn.Module, shift: float = DEFAULT_SHIFT) -> comfy.model_patcher.ModelPatcher:
-    """A ComfyUI MODEL around ``transformer``: placed, offloaded and freed by ComfyUI's model management, always
-    whole (``managed.WholeModelPatcher`` says why)."""
+def make_model_patcher(diffusion_model: ErnieImageDiffusionModel, shift: float = DEFAULT_SHIFT,
+                       whole: bool = False) -> comfy.model_patcher.ModelPatcher:
+    """A ComfyUI MODEL around ``diffusion_model``, placed, offloaded and freed by ComfyUI's model management.
+
+    ComfyUI's own ``ModelPatcher``: its layers are ``comfy.ops`` layers, so a card too small for the whole DiT
+    loads part of it and casts the rest per layer. ``whole``: quantized (torchao, SVDQuant) weights, which core's
+    partial loading neither moves nor casts, so the model is loaded whole (``managed.WholeModelPatcher``)."""
     config = ErnieImageConfig(ErnieImageConfig.unet_config)
     config.sampling_settings["shift"] = shift
+    compute = next(p.dtype for n, p in diffusion_model.named_parameters() if n.startswith("x_embedder"))
+    config.set_inference_dtype(diffusion_model.dtype, compute if compute != diffusion_model.dtype else None)
     load_device = comfy.model_management.get_torch_device()
     offload_device = comfy.model_management.unet_offload_device()
-    model = ErnieImageModel(config, place(transformer, offload_device), device=offload_device)
-    return WholeModelPatcher(model, load_device=load_device, offload_device=offload_device)
+    model = ErnieImageModel(config, place(diffusion_model, offload_device), device=offload_device)
+    patcher = WholeModelPatcher if whole else comfy.model_patcher.ModelPatcher
+    return patcher(model, load_device=load_device, offload_device=offload_device)

@@ -14,6 +14,7 @@ from comfy_api.v0_0_2 import io
 from ..accel.capability import METHODS
 from ..accel.patching import compile_by_default
 from ..accel.quantize import load_quantized_dit
+from ..errors import ErnieImageError
 from ..managed import usable_memory
 from ..paths import (
     SNAPSHOT_PREFIX,
@@ -27,44 +28,59 @@ from ..pe.local import LocalPromptEnhancer
 from ..pe.nodes import ErniePEType
 from ..text.managed import ManagedTextEncoder
 from ..text.nodes import ErnieTextEncoderType
+from .build import load_dit
 from .model import make_model_patcher
 from .schedule import DEFAULT_SHIFT, reference_sigmas, snapshot_shift
 from .vae import load_snapshot_vae, load_vae
-from .weights import load_transformer
 
-WEIGHT_DTYPES = {"default": None, "bf16": torch.bfloat16, "fp32": torch.float32}
-RUNNABLE_DTYPES = [torch.bfloat16, torch.float32]  # what the pack's DiT runs in (fp8 storage: the quantization input)
+WEIGHT_DTYPES = {"default": None, "bf16": torch.bfloat16, "fp32": torch.float32,
+                 "fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+RUNNABLE_DTYPES = [torch.bfloat16, torch.float32]  # what the pack's DiT computes in
+STORAGE_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]  # what it may keep its block weights in, cast per layer
 QUANTIZATION_METHODS = list(METHODS)
 
 
-def _weight_dtype(choice: str) -> torch.dtype:
-    """The DiT's dtype: the user's choice, or ComfyUI's pick for the device (bf16 on recent GPUs, fp32 on CPU).
+def _compute_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if comfy.model_management.should_use_bf16(device) else torch.float32
+
+
+def _weight_dtypes(choice: str) -> tuple[torch.dtype, torch.dtype | None]:
+    """The DiT's compute dtype and, for fp8 storage, its block weights' dtype (None: the file's own fp8 or the
+    compute dtype). From the user's choice, or ComfyUI's pick for the device (bf16 on recent GPUs, fp32 on CPU).
 
     ComfyUI's global flags (``--fp16-unet``, ``--fp8_e4m3fn-unet``, ...) make its pick a dtype whatever the model
-    supports; one the pack's DiT cannot run falls back to bf16 (fp32 where bf16 is unsupported), said once."""
-    if WEIGHT_DTYPES[choice] is not None:
-        return WEIGHT_DTYPES[choice]
+    supports: an fp8 one becomes the storage; one the pack's DiT cannot run falls back to bf16 (fp32 where bf16
+    is unsupported), said once."""
     device = comfy.model_management.get_torch_device()
-    dtype = comfy.model_management.unet_dtype(device, supported_dtypes=RUNNABLE_DTYPES)
-    if dtype in RUNNABLE_DTYPES:
-        return dtype
-    fallback = torch.bfloat16 if comfy.model_management.should_use_bf16(device) else torch.float32
-    _say_dtype_fallback(dtype, fallback)
-    return fallback
+    asked = WEIGHT_DTYPES[choice]
+    if asked is None:
+        asked = comfy.model_management.unet_dtype(device, supported_dtypes=RUNNABLE_DTYPES)
+        if asked not in RUNNABLE_DTYPES + STORAGE_DTYPES:
+            _say_dtype_fallback(asked, _compute_dtype(device))
+            return _compute_dtype(device), None
+    if asked in STORAGE_DTYPES:
+        return _compute_dtype(device), asked
+    return asked, asked
 
 
 @functools.cache  # once per process and dtype pair
 def _say_dtype_fallback(asked: torch.dtype, used: torch.dtype) -> None:
     logging.warning(
         "ERNIE-Image: ComfyUI's unet dtype flag asks for %s, which the ERNIE-Image DiT does not run in; loading it "
-        "in %s. For FP8 weights, use the loader's quantization input (fp8_per_row or fp8_weight_only).", asked, used)
+        "in %s. For FP8 weights, pick weight_dtype fp8_e4m3fn or the loader's quantization input (fp8_per_row).",
+        asked, used)
 
 
 def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float):
     """The DiT at ``path`` as a MODEL, quantized at load when asked (a method that cannot run here fails first)."""
-    dtype = _weight_dtype(weight_dtype)
-    transformer = load_quantized_dit(
-        lambda: load_transformer(path, dtype),
+    dtype, storage = _weight_dtypes(weight_dtype)
+    quantized = bool(METHODS[quantization].backend)
+    if quantized and storage not in (None, dtype):
+        raise ErnieImageError(f"weight_dtype {weight_dtype} and quantization {quantization} are two ways of storing "
+                              "the DiT's weights: pick one (set the other to default / none).")
+    dit = load_quantized_dit(
+        # A quantization method starts from the compute dtype's weights, also when the file holds fp8 ones.
+        lambda: load_dit(path, dtype, dtype if quantized else storage),
         quantization,
         source=path,
         dtype=dtype,
@@ -72,7 +88,7 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float):
         free_memory=usable_memory,
         cache_root=Path(folder_paths.models_dir) / "ernie_quantized",  # where SVDQuant DiTs are saved
     )
-    patcher = make_model_patcher(transformer, shift)
+    patcher = make_model_patcher(dit, shift, whole=quantized)
     if quantization.startswith("svdq"):
         return patcher  # cache-dit's W4A4 kernels under torch.compile are unverified (no GPU here runs them)
     return compile_by_default(patcher)
@@ -81,7 +97,9 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float):
 def _weight_inputs() -> list:
     return [
         io.Combo.Input("weight_dtype", options=list(WEIGHT_DTYPES), default="default",
-                       tooltip="default: bf16 on GPUs that run it well, fp32 on the CPU."),
+                       tooltip="default: bf16 on GPUs that run it well, fp32 on the CPU; an fp8 file stays fp8. "
+                       "fp8_*: the blocks' weights stored in fp8 (half of bf16's memory), cast to bf16 as each "
+                       "layer runs."),
         io.Combo.Input("quantization", options=QUANTIZATION_METHODS, default="none",
                        tooltip="Quantize the DiT's block linear layers at load time. fp8_per_row: RTX 40, H100/H200, "
                        "Blackwell (needs torchao; weights 16 → 8 GB). int8_weight_only: any NVIDIA GPU (needs "

@@ -1,9 +1,12 @@
 """Find and read ERNIE-Image DiT weights in the layouts users download (engine: no ComfyUI here).
 
 - a Hugging Face snapshot (``baidu/ERNIE-Image``, ``-Turbo``): ``<snapshot>/transformer/`` with a config
-  and (sharded) safetensors, read by diffusers' own ``from_pretrained``;
-- one ``.safetensors`` file with diffusers' DiT keys (the ComfyUI repack ``ernie-image-turbo.safetensors``);
-  it has no config, so the architecture is read off the tensor shapes.
+  and (sharded) safetensors;
+- one ``.safetensors`` file with the released keys, bare (the ComfyUI repack ``ernie-image-turbo.safetensors``) or
+  under ``model.diffusion_model.`` (checkpoint-style community files); it has no config, so the architecture is
+  read off the tensor shapes.
+
+What is read is the state dict and the architecture; ``model.py`` builds the DiT from them.
 
 Only safetensors are read: no pickles, no remote code.
 """
@@ -14,11 +17,9 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 
 from ..errors import ErnieImageError
 from ..model_files import (
-    builds_weights,
     check_safetensors_files,
     read_json,
     read_safetensors,
@@ -86,47 +87,49 @@ def config_from_state_dict(state_dict: dict[str, torch.Tensor], source: str) -> 
     }
 
 
-def load_single_file(path: Path, dtype: torch.dtype):
-    """An ``ErnieImageTransformer2DModel`` from one safetensors file with diffusers' keys."""
-    from diffusers import ErnieImageTransformer2DModel
-
-    check_dit_keys(safetensors_keys(path), str(path))  # before reading: a wrong file may be many gigabytes
-    state_dict = {k: v.to(dtype) for k, v in read_safetensors(path).items()}
-    config = config_from_state_dict(state_dict, str(path))
-    with torch.device("meta"):
-        model = ErnieImageTransformer2DModel(**config)
-    missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
-    if missing or unexpected:
-        raise ErnieImageError(
-            f"{path} does not match the ERNIE-Image architecture (missing {missing[:3]}, unexpected {unexpected[:3]}). "
-            "The file is from another model version or damaged: download it again."
-        )
-    return model.eval()
+# Where the community's single files put the released keys (ComfyUI's checkpoint layout); bare keys are the repack's.
+PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
 
-def load_transformer_folder(folder: Path, dtype: torch.dtype):
-    """An ``ErnieImageTransformer2DModel`` from a diffusers ``transformer/`` folder (config + safetensors)."""
-    from diffusers import ErnieImageTransformer2DModel
+def _bare(keys_or_tensors):
+    """The released keys: a ComfyUI prefix in front of the DiT's keys taken off (the file's other keys dropped)."""
+    for prefix in PREFIXES:
+        if prefix + MARKER_KEY in keys_or_tensors:
+            if isinstance(keys_or_tensors, dict):
+                return {k[len(prefix):]: v for k, v in keys_or_tensors.items() if k.startswith(prefix)}
+            return [k[len(prefix):] for k in keys_or_tensors if k.startswith(prefix)]
+    return keys_or_tensors
 
+
+def read_single_file(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The DiT's tensors (released keys) and architecture from one safetensors file."""
+    check_dit_keys(_bare(safetensors_keys(path)), str(path))  # before reading: a wrong file may be many gigabytes
+    state_dict = _bare(read_safetensors(path))
+    return state_dict, config_from_state_dict(state_dict, str(path))
+
+
+def read_transformer_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The DiT's tensors and architecture from a diffusers ``transformer/`` folder (config + safetensors shards)."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ErnieImageError(f"{folder} has no config.json: it is not a diffusers model folder. Download it again.")
-    class_name = read_json(config_path).get("_class_name")
+    config = read_json(config_path)
+    class_name = config.get("_class_name")
     if class_name != "ErnieImageTransformer2DModel":
         raise ErnieImageError(
             f"{folder} holds a {class_name}, not an ERNIE-Image transformer. Pick an ERNIE-Image snapshot folder."
         )
     check_safetensors_files(folder)
-    try:
-        model = ErnieImageTransformer2DModel.from_pretrained(folder, dtype=dtype, use_safetensors=True)
-    except (OSError, ValueError, SafetensorError) as e:
-        raise ErnieImageError(f"Cannot load the transformer in {folder} ({e}). Download it again.") from e
-    return model.eval()
+    state_dict: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        state_dict.update(read_safetensors(shard))
+    check_dit_keys(list(state_dict), str(folder))
+    return state_dict, {k: v for k, v in config.items() if not k.startswith("_")}
 
 
-@builds_weights
-def load_transformer(path: Path, dtype: torch.dtype):
-    """The DiT from a snapshot folder, its ``transformer/`` folder, or a single safetensors file."""
+def read_dit(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The DiT's tensors (released keys) and architecture from a snapshot folder, its ``transformer/`` folder, or a
+    single safetensors file."""
     if path.is_dir():
         if (path / "model_index.json").is_file():
             transformer_dir = path / "transformer"
@@ -135,8 +138,8 @@ def load_transformer(path: Path, dtype: torch.dtype):
                     f"The snapshot {path} has no transformer/ folder. The download is incomplete: "
                     "download the whole snapshot (baidu/ERNIE-Image or baidu/ERNIE-Image-Turbo)."
                 )
-            return load_transformer_folder(transformer_dir, dtype)
-        return load_transformer_folder(path, dtype)
+            return read_transformer_folder(transformer_dir)
+        return read_transformer_folder(path)
     if path.suffix != ".safetensors":
         raise ErnieImageError(f"{path} is not a .safetensors file; only safetensors weights are loaded.")
-    return load_single_file(path, dtype)
+    return read_single_file(path)

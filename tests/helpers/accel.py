@@ -6,16 +6,16 @@ import comfy.sample
 import comfy.samplers
 import torch
 
+from comfyui_ernie_image.nodes.dit.build import load_dit
 from comfyui_ernie_image.nodes.dit.model import make_model_patcher
 from comfyui_ernie_image.nodes.dit.schedule import reference_sigmas
-from comfyui_ernie_image.nodes.dit.weights import load_transformer
 
 TEXT_DIM = 32  # tiny text encoder width (scripts/tiny_models.py)
 
 
 def tiny_patcher(snapshot):
     """The tiny snapshot's DiT as the pack's MODEL (float32, CPU)."""
-    return make_model_patcher(load_transformer(snapshot, torch.float32))
+    return make_model_patcher(load_dit(snapshot, torch.float32))
 
 
 def text(length: int, seed: int) -> torch.Tensor:
@@ -40,15 +40,15 @@ def sample(model, *, steps: int = 8, cfg: float = 4.0, prompt: torch.Tensor | No
 def module_state(model) -> list[dict[str, int]]:
     """The instance attributes (name → object id) of the DiT, its block list and every block: equal before and
     after a run when the run left no trace (no patched forward, no cache-dit attributes, no compiled call)."""
-    transformer = model.model.diffusion_model.transformer
-    return [{k: id(v) for k, v in vars(m).items()} for m in (transformer, transformer.layers, *transformer.layers)]
+    dit = model.model.diffusion_model
+    return [{k: id(v) for k, v in vars(m).items()} for m in (dit, dit.layers, *dit.layers)]
 
 
 class CallCounter:
     """Counts the calls of some blocks (forward hooks): which blocks a step really computed."""
 
     def __init__(self, model, indices: list[int]):
-        layers = model.model.diffusion_model.transformer.layers
+        layers = model.model.diffusion_model.layers
         self.calls = dict.fromkeys(indices, 0)
         self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in indices]
 
