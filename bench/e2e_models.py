@@ -9,7 +9,9 @@ A ComfyUI ``models`` folder for the GPU end-to-end check (``gpu_e2e.py``):
 - ComfyUI's repack: ``diffusion_models/ernie-image-turbo.safetensors`` (the snapshot's DiT file: the same keys,
   hard-linked; the snapshot's DiT is saved unsharded for that), ``text_encoders/ministral-3-3b.safetensors`` (the
   language model with its tokenizer inside), ``text_encoders/ernie-image-prompt-enhancer.safetensors`` (the same
-  file, hard-linked: a random PE has the text encoder's architecture), ``vae/flux2-vae.safetensors`` (hard-linked).
+  file, hard-linked: a random PE has the text encoder's architecture), ``vae/flux2-vae.safetensors`` (hard-linked);
+- ``loras/ernie-image-turbo-lora.safetensors``: a LoRA on every block linear layer (rank 64; 4 for tiny models) in
+  the diffusers PEFT layout, the name the LoRA workflow picks.
 
 ``true_size=True`` builds the released sizes on the GPU (an 8B DiT and two 3.4B Ministral 3 models, bf16,
 normal(0, 0.02) weights, about 37 GB on disk); otherwise the tiny models of ``scripts/tiny_models.py`` (CPU, seconds).
@@ -108,6 +110,21 @@ def _link_tree(source: Path, target: Path) -> None:
             _link(path, target / path.relative_to(source))
 
 
+def write_lora(transformer: torch.nn.Module, path: Path, rank: int) -> Path:
+    """A LoRA of ``rank`` on every block linear layer of ``transformer`` (PEFT keys), small random deltas."""
+    from safetensors.torch import save_file
+
+    generator, tensors = torch.Generator().manual_seed(0), {}
+    for name, module in transformer.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.startswith("layers."):
+            for key, shape in (("lora_A", (rank, module.in_features)), ("lora_B", (module.out_features, rank))):
+                tensors[f"transformer.{name}.{key}.weight"] = (0.01 * torch.randn(shape, generator=generator)).to(
+                    torch.bfloat16)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path)
+    return path
+
+
 def write_models(models_dir: Path, true_size: bool) -> Path:
     """Write (once) every layout under ``models_dir``; returns ``models_dir``."""
     if (models_dir / _DONE).is_file():
@@ -121,6 +138,7 @@ def write_models(models_dir: Path, true_size: bool) -> Path:
     _link(text_encoder, models_dir / "text_encoders" / "ernie-image-prompt-enhancer.safetensors")
     _link(turbo / "vae" / "diffusion_pytorch_model.safetensors", models_dir / "vae" / "flux2-vae.safetensors")
     _link_tree(turbo, models_dir / "diffusers" / BASE)
+    write_lora(pipe.transformer, models_dir / "loras" / "ernie-image-turbo-lora.safetensors", 64 if true_size else 4)
     (models_dir / _DONE).write_text("ok\n")
     return models_dir
 

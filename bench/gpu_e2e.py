@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 TWINS = REPO / "tests" / "workflows"
 # Turbo first (run again after /free), the PE before the FP8 workflow: the order a user might meet them in.
 WORKFLOWS = ("ernie_image_turbo", "ernie_image_turbo_single_files", "ernie_image_pe_local", "ernie_image_low_vram",
-             "ernie_image_base", "ernie_image_cache_compile")
+             "ernie_image_base", "ernie_image_cache_compile", "ernie_image_turbo_lora")
 NOT_RUN = {"ernie_image_turbo_native": "needs ComfyUI >= 0.19 (native ERNIE loaders); the check runs 0.3.75",
            "ernie_image_pe_remote": "needs an OpenAI-compatible server; CPU tests run it against transformers serve"}
 # name: (ComfyUI flags, emulated card GiB). An emulated card uses torch's own allocator: its memory fraction is a hard

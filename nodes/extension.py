@@ -9,7 +9,8 @@ class ErnieImageExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         from .accel.nodes import ACCEL_NODES
         from .dit.nodes import DIT_NODES
+        from .lora.nodes import LORA_NODES
         from .pe.nodes import PE_NODES
         from .text.nodes import TEXT_NODES
 
-        return [*DIT_NODES, *PE_NODES, *TEXT_NODES, *ACCEL_NODES]
+        return [*DIT_NODES, *LORA_NODES, *PE_NODES, *TEXT_NODES, *ACCEL_NODES]

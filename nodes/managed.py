@@ -23,6 +23,8 @@ import comfy.model_patcher
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .errors import ErnieImageError
+
 
 class ManagedModule(torch.nn.Module):
     """A plain container: ModelPatcher writes ``.device`` and bookkeeping attributes onto the module it manages,
@@ -75,6 +77,16 @@ class WholeModelPatcher(comfy.model_patcher.ModelPatcher):
                 "quantize the DiT in its loader (fp8_per_row or int8_weight_only), put the Prompt Enhancer on "
                 "another device, or close other programs that use the GPU."
             ) from error
+
+    def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
+        # Core's LoRA loaders end here too: refuse before a load fails deep inside the patching.
+        if patches:
+            raise ErnieImageError(
+                f"{type(self.model).__name__} cannot take LoRA patches: its weights are quantized (torchao or "
+                "SVDQuant) or a transformers model's, which ComfyUI's patching cannot change. For a LoRA on the DiT, "
+                "load it with quantization none (weight_dtype fp8_e4m3fn halves its memory and takes LoRAs)."
+            )
+        return super().add_patches(patches, strength_patch, strength_model)
 
     def unpatch_model(self, device_to=None, unpatch_weights=True):
         with torch.inference_mode(False):

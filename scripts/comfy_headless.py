@@ -86,7 +86,7 @@ class ComfyServer:
         paths = base_dir / "paths.yaml"
         model_folders = "\n".join(
             f"  {name}: {models_dir / name}"
-            for name in ("diffusers", "diffusion_models", "text_encoders", "vae", "checkpoints")
+            for name in ("diffusers", "diffusion_models", "text_encoders", "vae", "checkpoints", "loras")
         )
         paths.write_text(f"ernie:\n  base_path: {base_dir}\n  custom_nodes: {custom_nodes_dir}\n{model_folders}\n")
         self.args = [

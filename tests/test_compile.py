@@ -152,3 +152,23 @@ def test_past_the_recompile_limit_the_blocks_run_eager_and_the_log_says_so_once(
         "process, dynamo's limit: others run eager, slower. Restart ComfyUI to compile afresh."]
     assert (torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit) == settings
     torch._dynamo.reset()
+
+
+def test_a_lora_under_cache_and_compile_is_correct_and_a_new_strength_does_not_recompile(plain):
+    """LoRA patches replace the weights when ComfyUI loads the model; the compiled blocks take weights as inputs,
+    so another strength reuses the graph."""
+    from comfyui_ernie_image.nodes.lora.patching import apply_lora
+    from helpers.lora import LAYERS, deltas, lora_file
+
+    lora = lora_file("peft", deltas(LAYERS, seed=1))
+    job = CacheJob(CacheSettings(steps_mask="medium", steps_mask_cache="static"), "test", None)
+    plain_result, graph_counts = sample(plain, **TURBO), []
+    for strength in (1.0, 0.5):
+        patched, _ = apply_lora(plain, lora, strength, "style")
+        eager = sample(apply_cache(patched, job), **TURBO)
+        fast = sample(apply_compile(apply_cache(patched, job), "default"), **TURBO)
+        assert torch.allclose(fast, eager, atol=1e-4)
+        assert not torch.allclose(eager, plain_result, atol=1e-2)  # the LoRA is in the result
+        graph_counts.append(graphs())
+    assert graph_counts[1] == graph_counts[0], "a new LoRA strength recompiled the blocks"
+    assert torch.equal(sample(plain, **TURBO), plain_result)  # no patch left in the shared module

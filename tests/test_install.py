@@ -25,7 +25,7 @@ from conftest import COMFY_DIR, REPO
 NODE_IDS = {
     "ErnieImageLoader", "ErnieImageDiTLoader", "ErnieImageTextEncoderLoader", "ErnieImageTextEncode",
     "ErnieImageScheduler", "ErnieImagePELoader", "ErnieImagePERemote", "ErnieImagePromptEnhance",
-    "ErnieImageCacheDiT", "ErnieImageCompile", "ErnieImageVAELoader",
+    "ErnieImageCacheDiT", "ErnieImageCompile", "ErnieImageVAELoader", "ErnieImageLoraLoader",
 }
 PACK_FOLDER = "ERNIE-Image For ComfyUI"  # not the repository's name: imports must be relative
 # A user's ComfyUI has its own torch; ComfyUI's requirements.txt names torch without a version.

@@ -23,9 +23,11 @@ from pathlib import Path
 
 import pytest
 import requests
+from safetensors.torch import save_file
 
 from comfy_headless import ComfyServer
 from conftest import COMFY_DIR, REPO
+from helpers.lora import LAYERS, deltas, lora_file
 from helpers.pe_servers import transformers_serve
 
 WORKFLOWS = sorted((REPO / "workflows").glob("*.json"))
@@ -40,6 +42,7 @@ RELEASE_SNAPSHOTS = ("ERNIE-Image-Turbo", "ERNIE-Image")
 RELEASE_DIT_FILES = ("ernie-image-turbo.safetensors", "ernie-image.safetensors")
 RELEASE_TEXT_ENCODER, RELEASE_VAE = "ministral-3-3b.safetensors", "flux2-vae.safetensors"
 RELEASE_PE = "ernie-image-prompt-enhancer.safetensors"
+WORKFLOW_LORA = "ernie-image-turbo-lora.safetensors"
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 CHROMIUM = "/usr/bin/chromium"
 # Set ERNIE_UPDATE_SCREENSHOTS=1 to refresh the README pictures in docs/ from this test.
@@ -59,6 +62,9 @@ def release_models(tiny_models, tmp_path_factory) -> Path:
     (root / "text_encoders" / RELEASE_TEXT_ENCODER).symlink_to(tiny_models["text_encoder_file"])
     (root / "vae" / RELEASE_VAE).symlink_to(tiny_models["vae_file"])
     (root / "text_encoders" / RELEASE_PE).symlink_to(tiny_models["pe_single_file"])
+    # A LoRA is the user's own (no release to download): the LoRA workflow names this one.
+    (root / "loras").mkdir()
+    save_file(lora_file("peft", deltas(LAYERS, seed=1)), root / "loras" / WORKFLOW_LORA)
     return root
 
 
@@ -213,6 +219,8 @@ LOADER_FOLDERS = {
     ("ErnieImagePELoader", "model_name"): "diffusers",
     ("ErnieImageVAELoader", "vae_name"): "vae",
 }
+# Widgets that name the user's own files, which no release offers for download (the note says where they go).
+USER_FILES = {("ErnieImageLoraLoader", "lora_name")}
 HF_RESOLVE_URL = r"https://huggingface\.co/[\w.-]+/[\w.-]+/resolve/[\w.-]+/(?:[\w.-]+/)*"
 
 
@@ -224,6 +232,8 @@ def _model_widgets(ui: dict, object_info: dict):
             continue
         for name, value in _widget_values(node, object_info[node["type"]]).items():
             folder = LOADER_FOLDERS.get((node["type"], name))
+            if (node["type"], name) in USER_FILES:
+                continue
             if folder is None:
                 assert not (isinstance(value, str) and value.endswith(".safetensors")), \
                     f"{node['type']}.{name} names a model file; add the loader to LOADER_FOLDERS"

@@ -15,12 +15,16 @@ def comfy_noise(seed: int, width: int, height: int) -> torch.Tensor:
 
 
 def reference_image(
-    snapshot: Path, *, prompt: str, negative: str, width: int, height: int, steps: int, cfg: float, seed: int
+    snapshot: Path, *, prompt: str, negative: str, width: int, height: int, steps: int, cfg: float, seed: int,
+    lora: Path | None = None,
 ) -> np.ndarray:
-    """``[H, W, 3]`` float image in [0, 1] from diffusers' pipeline (no PE), float32 on the CPU."""
+    """``[H, W, 3]`` float image in [0, 1] from diffusers' pipeline (no PE), float32 on the CPU; ``lora`` is loaded
+    with diffusers' own ``load_lora_weights``."""
     from diffusers import ErnieImagePipeline
 
     pipe = ErnieImagePipeline.from_pretrained(snapshot, dtype=torch.float32)
+    if lora is not None:
+        pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
     result = pipe(
         prompt=prompt, negative_prompt=negative, width=width, height=height, num_inference_steps=steps,
         guidance_scale=cfg, latents=comfy_noise(seed, width, height), output_type="np", use_pe=False,

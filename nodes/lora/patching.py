@@ -1,0 +1,62 @@
+"""A LoRA file on the pack's MODEL with core's weight adapters and patching (ComfyUI adapter).
+
+Core reads the adapters (LoRA, DoRA, LoHa, LoKr, diffs) and patches the weights when the model loads, with its
+strength and stacking semantics; this module only maps the file's layer names in all layouts (``keys.py``) and
+says what it applied.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import comfy.lora
+import comfy.lora_convert
+import comfy.model_patcher
+import torch
+
+from ..errors import ErnieImageError
+from .keys import is_text_encoder, key_map, layer_names, made_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoraReport:
+    """What a LoRA file held and what of it was applied."""
+
+    name: str
+    applied: int  # layers of the DiT patched
+    dit_layers: int  # the file's layers that are not the text encoder's
+    text_encoder_layers: int
+    looks_made_for: str | None
+
+    def text(self) -> str:
+        words = f"LoRA {self.name}: applied {self.applied} of its {self.dit_layers} diffusion-model layers"
+        if self.text_encoder_layers:
+            words += (f"; {self.text_encoder_layers} text-encoder layers not applied (the pack's text encoder "
+                      "takes no LoRA)")
+        if self.applied * 2 < self.dit_layers:
+            words += (f". Few or none match ERNIE-Image: this LoRA looks made for {self.looks_made_for}"
+                      if self.looks_made_for else ". Few or none match ERNIE-Image's DiT: is it an ERNIE-Image LoRA?")
+        return words
+
+
+def apply_lora(model: comfy.model_patcher.ModelPatcher, lora: dict[str, torch.Tensor], strength: float,
+               name: str) -> tuple[comfy.model_patcher.ModelPatcher, LoraReport]:
+    """A clone of ``model`` with ``lora`` patched in at ``strength``, and what was applied. A quantized DiT refuses
+    the patches (``managed.WholeModelPatcher.add_patches``)."""
+    diffusion_model = getattr(model.model, "diffusion_model", None)
+    if diffusion_model is None or not hasattr(diffusion_model, "layers"):
+        raise ErnieImageError(f"This MODEL ({type(model.model).__name__}) is not an ERNIE-Image DiT: connect the "
+                              "MODEL of an ERNIE-Image loader.")
+    lora = comfy.lora_convert.convert_lora(lora)
+    mapping = key_map([k for k, _ in diffusion_model.named_parameters()])
+    patches = comfy.lora.load_lora(lora, mapping, log_missing=False)
+    names = layer_names(list(lora))
+    text_encoder = {n for n in names if is_text_encoder(n)}
+    unmatched = {n for n in names - text_encoder if n not in mapping}
+    patched = model.clone()
+    applied = len(patched.add_patches(patches, strength))
+    report = LoraReport(name, applied, len(names - text_encoder), len(text_encoder), made_for(unmatched))
+    return patched, report

@@ -1,0 +1,148 @@
+"""LoRAs on the pack's MODEL in every layout found in the wild, against the same deltas merged into the weights.
+
+Each LoRA is written by the test in its layout's real key pattern; sampling is ComfyUI's own (``comfy.sample``) on
+the tiny DiT, and a merged reference is the same DiT with ``strength · scale · up @ down`` added to its weights.
+"""
+
+from __future__ import annotations
+
+import comfy.sd
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from comfyui_ernie_image.nodes.errors import ErnieImageError
+from comfyui_ernie_image.nodes.lora.patching import apply_lora
+from helpers.accel import sample, tiny_patcher
+from helpers.lora import ALPHA, LAYERS, LAYOUTS, OTHER_LAYERS, RANK, deltas, lora_file, merged
+from helpers.reference import max_level_difference, reference_image, saved_image
+from helpers.workflows import text_to_image
+
+
+@pytest.fixture(scope="module")
+def plain_latent(tiny_models):
+    return sample(tiny_patcher(tiny_models["snapshot"]))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("strength", [1.0, 0.5])
+def test_each_layout_equals_its_deltas_merged(tiny_models, layout, strength, plain_latent):
+    lora = deltas(LAYERS, seed=1)
+    patched, report = apply_lora(tiny_patcher(tiny_models["snapshot"]), lora_file(layout, lora), strength, layout)
+    assert (report.applied, report.dit_layers, report.text_encoder_layers) == (3, 3, 0)
+    scale = ALPHA.get(layout, RANK) / RANK
+    expected = sample(merged(tiny_models["snapshot"], (lora, strength, scale)))
+    ours = sample(patched)
+    assert (ours - plain_latent).abs().max() > 10 / 255  # the LoRA changes the result well past the tolerance
+    torch.testing.assert_close(ours, expected, atol=1 / 255, rtol=0)
+
+
+def test_strength_zero_is_no_lora_exactly(tiny_models, plain_latent):
+    patched, _ = apply_lora(tiny_patcher(tiny_models["snapshot"]), lora_file("peft", deltas(LAYERS, 1)), 0.0, "x")
+    assert torch.equal(sample(patched), plain_latent)
+
+
+def test_two_stacked_loras_equal_both_merged_and_the_unpatched_model_is_untouched(tiny_models, plain_latent):
+    first, second = deltas(LAYERS, seed=1), deltas(OTHER_LAYERS, seed=2)
+    model = tiny_patcher(tiny_models["snapshot"])
+    once, _ = apply_lora(model, lora_file("onetrainer", first), 0.7, "first")
+    twice, _ = apply_lora(once, lora_file("kohya", second), 1.0, "second")
+    expected = sample(merged(tiny_models["snapshot"], (first, 0.7, 2.0), (second, 1.0, 0.5)))
+    torch.testing.assert_close(sample(twice), expected, atol=1 / 255, rtol=0)
+    assert torch.equal(sample(model), plain_latent)  # the loader taken out of the graph: no patch left behind
+
+
+@pytest.mark.parametrize("layout", ["ai-toolkit", "kohya"])
+def test_cores_own_lora_loader_takes_comfyuis_and_kohyas_layouts(tiny_models, layout):
+    """What core's LoraLoaderModelOnly runs (``comfy.sd.load_lora_for_models``), on the pack's MODEL."""
+    lora = deltas(LAYERS, seed=3)
+    patched, _ = comfy.sd.load_lora_for_models(tiny_patcher(tiny_models["snapshot"]), None, lora_file(layout, lora),
+                                               1.0, 0.0)
+    expected = sample(merged(tiny_models["snapshot"], (lora, 1.0, ALPHA.get(layout, RANK) / RANK)))
+    torch.testing.assert_close(sample(patched), expected, atol=1 / 255, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["peft", "peft-base-model", "onetrainer"])
+def test_cores_own_lora_loader_applies_nothing_of_the_other_layouts(tiny_models, plain_latent, layout):
+    """What the README says: these layouts need the pack's loader."""
+    patched, _ = comfy.sd.load_lora_for_models(tiny_patcher(tiny_models["snapshot"]), None,
+                                               lora_file(layout, deltas(LAYERS, seed=3)), 1.0, 0.0)
+    assert not patched.patches
+    assert torch.equal(sample(patched), plain_latent)
+
+
+def test_a_foreign_lora_is_counted_and_named(tiny_models, plain_latent):
+    flux = {f"diffusion_model.double_blocks.{i}.img_attn.qkv.lora_A.weight": torch.zeros(RANK, 64) for i in range(4)}
+    flux |= {f"diffusion_model.double_blocks.{i}.img_attn.qkv.lora_B.weight": torch.zeros(192, RANK) for i in range(4)}
+    flux |= {"lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": torch.zeros(RANK, 64),
+             "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": torch.zeros(64, RANK)}
+    patched, report = apply_lora(tiny_patcher(tiny_models["snapshot"]), flux, 1.0, "flux_style.safetensors")
+    assert report.text() == (
+        "LoRA flux_style.safetensors: applied 0 of its 4 diffusion-model layers; 1 text-encoder layers not applied "
+        "(the pack's text encoder takes no LoRA). Few or none match ERNIE-Image: this LoRA looks made for Flux")
+    assert torch.equal(sample(patched), plain_latent)
+
+
+def test_a_quantized_dit_refuses_loras_with_what_to_do(tiny_models):
+    from comfyui_ernie_image.nodes.managed import WholeModelPatcher
+
+    model = tiny_patcher(tiny_models["snapshot"])
+    quantized = WholeModelPatcher(model.model, load_device=model.load_device, offload_device=model.offload_device)
+    for apply in (lambda lora: apply_lora(quantized, lora, 1.0, "x"),
+                  lambda lora: comfy.sd.load_lora_for_models(quantized, None, lora, 1.0, 0.0)):
+        with pytest.raises(ErnieImageError, match=r"ErnieImageModel cannot take LoRA patches: its weights are "
+                                                  r"quantized .* load it with quantization none \(weight_dtype "
+                                                  r"fp8_e4m3fn halves its memory and takes LoRAs\)"):
+            apply(lora_file("ai-toolkit", deltas(LAYERS, 1)))
+
+
+def test_the_node_in_a_graph_applies_the_lora_and_says_so(comfy_server, tiny_models):
+    loras = tiny_models["models_dir"] / "loras"
+    loras.mkdir(exist_ok=True)
+    save_file(lora_file("peft", deltas(LAYERS, seed=4)), loras / "ernie_style.safetensors")
+    node = ("ErnieImageLoraLoader", {"lora_name": "ernie_style.safetensors", "strength_model": 1.0})
+    graph = text_to_image(snapshot="ERNIE-Image-Turbo-tiny", prompt="a cat", steps=2, seed=3, prefix="lora",
+                          model_nodes=(node,))
+    result = comfy_server.run(graph)
+    assert result.status == "success", result.messages
+    assert len(comfy_server.output_images(result)) == 1
+    assert "ERNIE-Image LoRA ernie_style.safetensors: applied 3 of its 3 diffusion-model layers" in comfy_server.log()
+
+
+def test_a_lora_on_fp8_weights_lands_within_fp8_rounding_of_the_merged_weights(tiny_models):
+    """fp8 storage (``weight_dtype`` fp8_e4m3fn) takes LoRAs: core patches the weights in fp32 and rounds them back.
+    The result is far nearer the merged weights' than the same fp8 DiT without the LoRA is."""
+    from comfyui_ernie_image.nodes.dit.build import load_dit
+    from comfyui_ernie_image.nodes.dit.model import make_model_patcher
+
+    def fp8_model():
+        return make_model_patcher(load_dit(tiny_models["snapshot"], torch.float32, torch.float8_e4m3fn))
+
+    def distance(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).norm() / b.norm()).item()
+
+    lora = deltas(LAYERS, seed=5)
+    patched, report = apply_lora(fp8_model(), lora_file("ai-toolkit", lora), 3.0, "style")
+    expected = sample(merged(tiny_models["snapshot"], (lora, 3.0, 1.0)))
+    assert report.applied == 3
+    assert distance(sample(patched), expected) < 0.2 * distance(sample(fp8_model()), expected)
+
+
+@pytest.mark.parametrize("layout", ["ai-toolkit", "peft"])
+def test_the_graph_with_a_lora_matches_diffusers_load_lora_weights(comfy_server, tiny_models, layout):
+    """Where diffusers takes the layout: its pipeline with ``load_lora_weights`` and the pack's graph with the LoRA
+    loader give the same image (within one 8-bit level), and it is not the image without the LoRA."""
+    loras = tiny_models["models_dir"] / "loras"
+    loras.mkdir(exist_ok=True)
+    path = loras / f"parity_{layout}.safetensors"
+    save_file(lora_file(layout, deltas(LAYERS, seed=6)), path)
+    settings = dict(prompt="a red cat on a blue mat", negative="dark", width=128, height=128, steps=3, cfg=4.0,
+                    seed=7)
+    node = ("ErnieImageLoraLoader", {"lora_name": path.name, "strength_model": 1.0})
+    result = comfy_server.run(text_to_image(snapshot="ERNIE-Image-Turbo-tiny", prefix=f"lora_{layout}",
+                                            model_nodes=(node,), **settings))
+    assert result.status == "success", result.messages
+    (png,) = comfy_server.output_images(result)
+    image = saved_image(png)
+    assert max_level_difference(image, reference_image(tiny_models["snapshot"], lora=path, **settings)) <= 1.0
+    assert max_level_difference(image, reference_image(tiny_models["snapshot"], **settings)) > 4.0
