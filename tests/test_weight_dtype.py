@@ -50,6 +50,12 @@ def test_a_flag_the_dit_cannot_run_falls_back_and_says_so_once(flag, caplog):
                         "loader's quantization input (fp8_per_row)."]
 
 
+@pytest.mark.parametrize("flag", ["none"], indirect=True)
+def test_without_a_flag_default_keeps_a_files_fp8(flag):
+    assert dit_nodes._weight_dtypes("default") == (torch.float32, None)  # None: the file's fp8 stays fp8
+    assert dit_nodes._weight_dtypes("fp32") == (torch.float32, torch.float32)  # explicit: upcast
+
+
 @pytest.mark.parametrize("flag", ["fp8_e4m3fn_unet"], indirect=True)
 def test_an_explicit_weight_dtype_wins_over_the_flag(flag):
     assert dit_nodes._weight_dtypes("bf16") == (torch.bfloat16, torch.bfloat16)

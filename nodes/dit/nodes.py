@@ -6,6 +6,7 @@ import functools
 import logging
 from pathlib import Path
 
+import comfy.cli_args
 import comfy.model_management
 import folder_paths
 import torch
@@ -38,6 +39,8 @@ WEIGHT_DTYPES = {"default": None, "bf16": torch.bfloat16, "fp32": torch.float32,
 RUNNABLE_DTYPES = [torch.bfloat16, torch.float32]  # what the pack's DiT computes in
 STORAGE_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]  # what it may keep its block weights in, cast per layer
 QUANTIZATION_METHODS = list(METHODS)
+UNET_DTYPE_FLAGS = ("fp32_unet", "fp64_unet", "bf16_unet", "fp16_unet", "fp8_e4m3fn_unet", "fp8_e5m2_unet",
+                    "fp8_e8m0fnu_unet")  # ComfyUI's flags that fix the diffusion model's weight dtype
 
 
 def _compute_dtype(device: torch.device) -> torch.dtype:
@@ -45,12 +48,12 @@ def _compute_dtype(device: torch.device) -> torch.dtype:
 
 
 def _weight_dtypes(choice: str) -> tuple[torch.dtype, torch.dtype | None]:
-    """The DiT's compute dtype and, for fp8 storage, its block weights' dtype (None: the file's own fp8 or the
-    compute dtype). From the user's choice, or ComfyUI's pick for the device (bf16 on recent GPUs, fp32 on CPU).
+    """The DiT's compute dtype and its block weights' dtype (None: an fp8 file's own fp8, else the compute dtype).
 
-    ComfyUI's global flags (``--fp16-unet``, ``--fp8_e4m3fn-unet``, ...) make its pick a dtype whatever the model
-    supports: an fp8 one becomes the storage; one the pack's DiT cannot run falls back to bf16 (fp32 where bf16
-    is unsupported), said once."""
+    ``default``: ComfyUI's pick for the device (bf16 on recent GPUs, fp32 on CPU), and a file's fp8 weights stay
+    fp8. ComfyUI's global unet dtype flags (``--fp8_e4m3fn-unet``, ``--bf16-unet``, ...) make its pick a dtype
+    whatever the model or file: an fp8 one becomes the storage; one the pack's DiT cannot run falls back to bf16
+    (fp32 where bf16 is unsupported), said once."""
     device = comfy.model_management.get_torch_device()
     asked = WEIGHT_DTYPES[choice]
     if asked is None:
@@ -58,6 +61,8 @@ def _weight_dtypes(choice: str) -> tuple[torch.dtype, torch.dtype | None]:
         if asked not in RUNNABLE_DTYPES + STORAGE_DTYPES:
             _say_dtype_fallback(asked, _compute_dtype(device))
             return _compute_dtype(device), None
+        if not any(getattr(comfy.cli_args.args, flag) for flag in UNET_DTYPE_FLAGS):
+            return asked, None
     if asked in STORAGE_DTYPES:
         return _compute_dtype(device), asked
     return asked, asked
