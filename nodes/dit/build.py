@@ -38,8 +38,8 @@ def _split_scales(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.
 
 def _fold_scales(weights: dict[str, torch.Tensor], scales: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
     """Weights times their scales, in ``dtype``: a scaled fp8 file as plain weights (to quantize, or to upcast)."""
-    return {k: v.to(dtype) * scales[k[: -len(".weight")]].to(dtype) if k[: -len(".weight")] in scales else v
-            for k, v in weights.items()}
+    return {k: (v.float() * scales[k[: -len(".weight")]].float()).to(dtype) if k[: -len(".weight")] in scales
+            else v for k, v in weights.items()}
 
 
 def _operations(storage: torch.dtype, dtype: torch.dtype, scaled: bool):
