@@ -47,8 +47,7 @@ def layer_names(keys: list[str]) -> set[str]:
 def key_map(model_weight_keys: list[str]) -> dict[str, str]:
     """Every layer name a LoRA may use for each of the DiT's weights → the MODEL's key of that weight.
 
-    ``model_weight_keys`` are the DiT's parameter names (``layers.0.self_attention.to_q.weight``); only weights of
-    two or more dimensions are LoRA targets."""
+    ``model_weight_keys`` are the DiT's parameter names (``layers.0.self_attention.to_q.weight``)."""
     mapping = {}
     for key in model_weight_keys:
         if not key.endswith(".weight"):
