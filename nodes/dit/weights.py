@@ -6,7 +6,7 @@
   under ``model.diffusion_model.`` (checkpoint-style community files); it has no config, so the architecture is
   read off the tensor shapes.
 
-What is read is the state dict and the architecture; ``model.py`` builds the DiT from them.
+What is read is the state dict and the architecture; ``build.py`` builds the DiT from them.
 
 Only safetensors are read: no pickles, no remote code.
 """
@@ -19,12 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ErnieImageError
-from ..model_files import (
-    check_safetensors_files,
-    read_json,
-    read_safetensors,
-    safetensors_keys,
-)
+from ..model_files import check_safetensors_files, read_json, read_safetensors, safetensors_keys
 
 # A key every ERNIE-Image DiT has and no other model in ComfyUI's folders does, and the others its shape is read off.
 MARKER_KEY = "layers.0.adaLN_sa_ln.weight"
@@ -91,20 +86,18 @@ def config_from_state_dict(state_dict: dict[str, torch.Tensor], source: str) -> 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
 
-def _bare(keys_or_tensors):
-    """The released keys: a ComfyUI prefix in front of the DiT's keys taken off (the file's other keys dropped)."""
-    for prefix in PREFIXES:
-        if prefix + MARKER_KEY in keys_or_tensors:
-            if isinstance(keys_or_tensors, dict):
-                return {k[len(prefix):]: v for k, v in keys_or_tensors.items() if k.startswith(prefix)}
-            return [k[len(prefix):] for k in keys_or_tensors if k.startswith(prefix)]
-    return keys_or_tensors
+def _prefix(keys) -> str:
+    """The ComfyUI prefix in front of the DiT's keys in a single file ("" for bare keys)."""
+    return next((prefix for prefix in PREFIXES if prefix + MARKER_KEY in keys), "")
 
 
 def read_single_file(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """The DiT's tensors (released keys) and architecture from one safetensors file."""
-    check_dit_keys(_bare(safetensors_keys(path)), str(path))  # before reading: a wrong file may be many gigabytes
-    state_dict = _bare(read_safetensors(path))
+    """The DiT's tensors (released keys; the file's other keys dropped) and architecture from one safetensors
+    file."""
+    keys = safetensors_keys(path)
+    prefix = _prefix(keys)
+    check_dit_keys([k[len(prefix):] for k in keys if k.startswith(prefix)], str(path))  # before reading gigabytes
+    state_dict = {k[len(prefix):]: v for k, v in read_safetensors(path).items() if k.startswith(prefix)}
     return state_dict, config_from_state_dict(state_dict, str(path))
 
 
