@@ -146,3 +146,13 @@ def test_the_graph_with_a_lora_matches_diffusers_load_lora_weights(comfy_server,
     image = saved_image(png)
     assert max_level_difference(image, reference_image(tiny_models["snapshot"], lora=path, **settings)) <= 1.0
     assert max_level_difference(image, reference_image(tiny_models["snapshot"], **settings)) > 4.0
+
+
+def test_a_model_that_is_not_an_ernie_dit_is_named():
+    class NotErnie:
+        model = torch.nn.Module()
+
+    words = (r"This MODEL \(Module\) is not an ERNIE-Image DiT: its diffusion model has no 'layers' block list\. "
+             r"Connect the MODEL of an ERNIE-Image loader")
+    with pytest.raises(ErnieImageError, match=words):
+        apply_lora(NotErnie(), lora_file("peft", deltas(LAYERS, 1)), 1.0, "x")

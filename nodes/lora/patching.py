@@ -7,7 +7,6 @@ says what it applied.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import comfy.lora
@@ -15,10 +14,8 @@ import comfy.lora_convert
 import comfy.model_patcher
 import torch
 
-from ..errors import ErnieImageError
+from ..accel.patching import dit_blocks
 from .keys import is_text_encoder, key_map, layer_names, made_for
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -31,12 +28,17 @@ class LoraReport:
     text_encoder_layers: int
     looks_made_for: str | None
 
+    @property
+    def few(self) -> bool:
+        """Fewer than half of the file's diffusion-model layers applied: likely a LoRA for another model."""
+        return self.applied * 2 < self.dit_layers
+
     def text(self) -> str:
         words = f"LoRA {self.name}: applied {self.applied} of its {self.dit_layers} diffusion-model layers"
         if self.text_encoder_layers:
             words += (f"; {self.text_encoder_layers} text-encoder layers not applied (the pack's text encoder "
                       "takes no LoRA)")
-        if self.applied * 2 < self.dit_layers:
+        if self.few:
             words += (f". Few or none match ERNIE-Image: this LoRA looks made for {self.looks_made_for}"
                       if self.looks_made_for else ". Few or none match ERNIE-Image's DiT: is it an ERNIE-Image LoRA?")
         return words
@@ -46,10 +48,7 @@ def apply_lora(model: comfy.model_patcher.ModelPatcher, lora: dict[str, torch.Te
                name: str) -> tuple[comfy.model_patcher.ModelPatcher, LoraReport]:
     """A clone of ``model`` with ``lora`` patched in at ``strength``, and what was applied. A quantized DiT refuses
     the patches (``managed.WholeModelPatcher.add_patches``)."""
-    diffusion_model = getattr(model.model, "diffusion_model", None)
-    if diffusion_model is None or not hasattr(diffusion_model, "layers"):
-        raise ErnieImageError(f"This MODEL ({type(model.model).__name__}) is not an ERNIE-Image DiT: connect the "
-                              "MODEL of an ERNIE-Image loader.")
+    diffusion_model, _ = dit_blocks(model)  # a clear error for a MODEL that is not an ERNIE-Image DiT
     lora = comfy.lora_convert.convert_lora(lora)
     mapping = key_map([k for k, _ in diffusion_model.named_parameters()])
     patches = comfy.lora.load_lora(lora, mapping, log_missing=False)
