@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -197,6 +198,22 @@ def test_a_scaled_fp8_file_stays_fp8_and_predicts_like_its_source(tiny_models, t
     upcast = load_dit(scaled_file, torch.float32, torch.float32)
     assert _block_linear_dtypes(upcast) == {torch.float32}
     torch.testing.assert_close(_prediction(upcast), ours, rtol=1e-4, atol=1e-5)
+
+
+def test_a_comfyui_without_scaled_fp8_layers_holds_a_scaled_file_as_computed_and_says_so(tiny_models, tmp_path,
+                                                                                           monkeypatch, caplog):
+    import comfy.ops
+
+    scaled_file = tmp_path / "ernie-image-turbo-fp8-scaled.safetensors"
+    save_file(_scaled_fp8(read_safetensors(tiny_models["single_file"])), scaled_file)
+    with_layers = _prediction(load_dit(scaled_file, torch.float32))
+    monkeypatch.delattr(comfy.ops, "scaled_fp8_ops")
+    with caplog.at_level(logging.WARNING):
+        model = load_dit(scaled_file, torch.float32)
+    assert [r.getMessage() for r in caplog.records] == [
+        "ERNIE-Image: this ComfyUI has no scaled fp8 layers; the scaled fp8 DiT is held in torch.float32"]
+    assert _block_linear_dtypes(model) == {torch.float32}
+    torch.testing.assert_close(_prediction(model), with_layers, rtol=1e-4, atol=1e-5)
 
 
 def test_a_checkpoint_style_single_file_loads_under_its_prefix(tiny_models, tmp_path):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from comfyui_ernie_image.nodes.dit import nodes as dit_nodes
+from comfyui_ernie_image.nodes.errors import ErnieImageError
 
 FLAGS = ["fp32_unet", "bf16_unet", "fp16_unet", "fp8_e4m3fn_unet", "fp8_e5m2_unet", "fp8_e8m0fnu_unet", "fp64_unet"]
 
@@ -60,3 +61,12 @@ def test_without_a_flag_default_keeps_a_files_fp8(flag):
 def test_an_explicit_weight_dtype_wins_over_the_flag(flag):
     assert dit_nodes._weight_dtypes("bf16") == (torch.bfloat16, torch.bfloat16)
     assert dit_nodes._weight_dtypes("fp8_e5m2") == (torch.float32, torch.float8_e5m2)
+
+
+@pytest.mark.parametrize("flag", ["none"], indirect=True)
+def test_fp8_storage_and_a_quantization_method_together_are_refused_before_loading(flag, tmp_path):
+    missing = tmp_path / "never-read.safetensors"  # refused before the file is looked at
+    with pytest.raises(ErnieImageError, match=r"^weight_dtype fp8_e4m3fn and quantization fp8_per_row are two ways of "
+                                              r"storing the DiT's weights: pick one \(set the other to default / none\)"
+                                              r"\.$"):
+        dit_nodes._load_model(missing, "fp8_e4m3fn", "fp8_per_row", 4.0)
