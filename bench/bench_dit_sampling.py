@@ -13,7 +13,7 @@ import os
 from functools import partial
 
 import torch
-from common import cuda_time, machine, random_true_size_dit, use_comfyui
+from common import cuda_time, machine, pack_dit, random_true_size_dit, use_comfyui
 
 PROMPT_TOKENS, NEGATIVE_TOKENS, LATENT = 256, 40, 64
 
@@ -61,7 +61,7 @@ def main() -> None:
     from comfyui_ernie_image.nodes.dit.schedule import reference_sigmas
 
     transformer = random_true_size_dit()
-    patcher = make_model_patcher(transformer)
+    patcher = make_model_patcher(pack_dit(transformer))  # the pack's DiT on the same weights
     text = torch.randn(PROMPT_TOKENS, 3072, device="cuda", dtype=torch.bfloat16)
     negative = torch.randn(NEGATIVE_TOKENS, 3072, device="cuda", dtype=torch.bfloat16)
     noise = torch.randn(1, 128, LATENT, LATENT)

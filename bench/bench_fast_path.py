@@ -154,17 +154,6 @@ def diffusers_call(model, latents, timestep, text, lens):
         text_lens=torch.tensor(lens, device=latents.device), return_dict=False)[0]
 
 
-_PACK_DITS: dict[int, torch.nn.Module] = {}
-
-
-def pack_call(model, latents, timestep, text, lens):
-    """The pack's DiT (built once per diffusers model, sharing its weights) on these inputs."""
-    if id(model) not in _PACK_DITS:
-        _PACK_DITS[id(model)] = pack_dit(model, latents.dtype)
-    dit = _PACK_DITS[id(model)]
-    return pack_forward(dit, latents, timestep, text, lens)
-
-
 @torch.inference_mode()
 def fp32_references(transformer, inputs) -> dict[int, torch.Tensor]:
     """diffusers' forward on an fp32 copy of the weights with fp32 activations: the yardstick for every error."""
@@ -214,10 +203,12 @@ def compiled_blocks(model):
 
 @torch.inference_mode()
 def graph_replay_ms(model, inputs) -> float:
-    """The compiled blocks of a batch-1 forward captured in one CUDA graph and replayed: launch gaps removed."""
+    """The compiled blocks of a batch-1 forward of the pack's DiT ``model`` captured in one CUDA graph and replayed:
+    launch gaps removed."""
     latents, timestep, text, lens = inputs[1]
-    x = torch.randn(SEQUENCE, 1, TRUE_DIT["hidden_size"], device="cuda", dtype=torch.bfloat16)
-    rotary = torch.randn(1, SEQUENCE, 1, HEAD_DIM, device="cuda")
+    x = torch.randn(1, SEQUENCE, TRUE_DIT["hidden_size"], device="cuda", dtype=torch.bfloat16)
+    angles = torch.randn(1, SEQUENCE, 1, HEAD_DIM, device="cuda")
+    rotary = (torch.cos(angles).bfloat16(), torch.sin(angles).bfloat16())
     temb = [torch.randn(1, 1, TRUE_DIT["hidden_size"], device="cuda", dtype=torch.bfloat16) * 0.1 for _ in range(6)]
 
     def blocks():
@@ -246,12 +237,13 @@ def forward_bf16(transformer, inputs, refs) -> None:
 
     RESULTS["auto_order"] = backend_order(torch.device("cuda"), "auto")
     time_forward("diffusers, eager", diffusers_call, transformer, inputs, refs)
+    pack = pack_dit(transformer)
     for choice in (None, "flash", "cudnn", "efficient"):
         with attention_env(choice):
-            time_forward(f"pack, eager, attention {choice or 'auto'}", pack_call, transformer, inputs, refs)
-    with compiled_blocks(transformer):
-        time_forward("pack, compiled (default)", pack_call, transformer, inputs, refs)
-        eager_blocks, replay = graph_replay_ms(transformer, inputs)
+            time_forward(f"pack, eager, attention {choice or 'auto'}", pack_forward, pack, inputs, refs)
+    with compiled_blocks(pack):
+        time_forward("pack, compiled (default)", pack_forward, pack, inputs, refs)
+        eager_blocks, replay = graph_replay_ms(pack, inputs)
         RESULTS["forward"].append(dict(variant="pack, compiled blocks only: launched / CUDA-graph replay", batch=1,
                                        ms=replay, launched_ms=eager_blocks))
         print(RESULTS["forward"][-1], flush=True)
@@ -264,8 +256,9 @@ def forward_bf16_extras(transformer, inputs, refs) -> None:
     with compiled_blocks(transformer):
         time_forward("diffusers, compiled (mask kept)", diffusers_call, transformer, inputs, refs, batches=(1,))
     torch._dynamo.reset()
-    with attention_env("flash"), compiled_blocks(transformer):
-        time_forward("pack, compiled, attention flash", pack_call, transformer, inputs, refs, batches=(1,))
+    pack = pack_dit(transformer)
+    with attention_env("flash"), compiled_blocks(pack):
+        time_forward("pack, compiled, attention flash", pack_forward, pack, inputs, refs, batches=(1,))
 
 
 def top_kernels(call, rows: int = 15) -> list[dict]:
@@ -283,24 +276,30 @@ def top_kernels(call, rows: int = 15) -> list[dict]:
 
 @section("profile, compiled bf16")
 def profile_bf16(transformer, inputs) -> None:
-    with torch.inference_mode(), compiled_blocks(transformer):
-        call = partial(pack_call, transformer, *inputs[1])
+    pack = pack_dit(transformer)
+    with torch.inference_mode(), compiled_blocks(pack):
+        call = partial(pack_forward, pack, *inputs[1])
         call(), call()
         RESULTS["profile"]["bf16 compiled, batch 1"] = top_kernels(call)
 
 
-@section("one forward and profile, fp8")
-def forward_fp8(transformer, inputs, refs) -> torch.nn.Module:
+def fp8_pack(transformer) -> torch.nn.Module:
+    """The pack's DiT with a copy of ``transformer``'s weights, quantized as the loader's ``fp8_per_row`` does."""
     from comfyui_ernie_image.nodes.accel.quantize import quantize_torchao
 
+    return quantize_torchao(pack_dit(copy.deepcopy(transformer)), "float8_per_row", torch.device("cuda"))
+
+
+@section("one forward and profile, fp8")
+def forward_fp8(transformer, inputs, refs) -> torch.nn.Module:
     start = time.perf_counter()
-    fp8 = quantize_torchao(copy.deepcopy(transformer), "float8_per_row", torch.device("cuda"))
+    fp8 = fp8_pack(transformer)
     RESULTS["fp8_quantize_s"] = time.perf_counter() - start
-    time_forward("pack fp8_per_row, eager", pack_call, fp8, inputs, refs)
+    time_forward("pack fp8_per_row, eager", pack_forward, fp8, inputs, refs)
     with compiled_blocks(fp8):
-        time_forward("pack fp8_per_row, compiled", pack_call, fp8, inputs, refs)
+        time_forward("pack fp8_per_row, compiled", pack_forward, fp8, inputs, refs)
         with torch.inference_mode():
-            call = partial(pack_call, fp8, *inputs[1])
+            call = partial(pack_forward, fp8, *inputs[1])
             RESULTS["profile"]["fp8 compiled, batch 1"] = top_kernels(call)
     return fp8
 
@@ -410,10 +409,10 @@ def end_to_end(transformer, fp8) -> None:
     vae = vae_errors()  # the loader's VAE; its decode compiled, checked against fp32
     noise = torch.randn(1, TRUE_DIT["in_channels"], LATENT, LATENT)
     negative = torch.zeros(NEGATIVE, TEXT_DIM, device="cuda", dtype=torch.bfloat16)  # unused at CFG 1
-    for name, dit in (("bf16", transformer), ("fp8_per_row", fp8)):
+    for name, dit in (("bf16", pack_dit(transformer)), ("fp8_per_row", fp8)):
         if dit is None:
             continue
-        patcher = compile_by_default(make_model_patcher(dit))
+        patcher = compile_by_default(make_model_patcher(dit, whole=dit is fp8))  # quantized: whole, as the loader
         row = dict(variant=f"pack {name}, default path", text_encode_s=encode_s,
                    compiled=bool(patcher.get_wrappers(SAMPLER_SAMPLE, COMPILE_KEY)))
         row.update(pack_turbo(patcher, vae, encode, noise, negative, reference_sigmas(8)))
@@ -424,12 +423,12 @@ def end_to_end(transformer, fp8) -> None:
 
 
 @torch.inference_mode()
-def plain_loop(transformer, noise, text, sigmas: list[float]) -> torch.Tensor:
+def plain_loop(pack, noise, text, sigmas: list[float]) -> torch.Tensor:
     """The Euler loop alone (no ComfyUI), on the pack's forward: what sampling costs without a host framework."""
     x = noise
     for sigma, next_sigma in zip(sigmas[:-1], sigmas[1:], strict=True):
         t = torch.full((1,), 1000 * sigma, device="cuda", dtype=torch.bfloat16)
-        x = x + (next_sigma - sigma) * pack_call(transformer, x, t, text[None], [text.shape[0]])
+        x = x + (next_sigma - sigma) * pack_forward(pack, x, t, text[None], [text.shape[0]])
     return x
 
 
@@ -465,12 +464,13 @@ def sampling_overhead(transformer) -> None:
     noise = torch.randn(1, TRUE_DIT["in_channels"], LATENT, LATENT)
     sigmas = reference_sigmas(8)
     rows = RESULTS.setdefault("sampling", [])
-    with compiled_blocks(transformer):
-        loop = partial(plain_loop, transformer, noise.cuda().bfloat16(), text, sigmas.tolist())
+    pack = pack_dit(transformer)
+    with compiled_blocks(pack):
+        loop = partial(plain_loop, pack, noise.cuda().bfloat16(), text, sigmas.tolist())
         loop()
         rows.append(dict(variant="plain Euler loop, pack forward, compiled blocks", s=cuda_time(loop, repeats=3)))
         print(rows[-1], flush=True)
-    patcher = compile_by_default(make_model_patcher(transformer))
+    patcher = compile_by_default(make_model_patcher(pack))
     for cond_device in ("cpu", "cuda"):
         run = partial(comfy_sampling, patcher, noise, text, text[:NEGATIVE], sigmas, 1.0, cond_device)
         run()
@@ -578,9 +578,7 @@ def main() -> None:
         transformer = random_true_size_dit()
         fp8 = None
         try:
-            from comfyui_ernie_image.nodes.accel.quantize import quantize_torchao
-
-            fp8 = quantize_torchao(copy.deepcopy(transformer), "float8_per_row", torch.device("cuda"))
+            fp8 = fp8_pack(transformer)
         except Exception as e:
             RESULTS["errors"].append(f"fp8: {e!r}")
         end_to_end(transformer, fp8)
@@ -590,8 +588,9 @@ def main() -> None:
         transformer = random_true_size_dit()
         inputs = dit_inputs()
         refs = fp32_references(transformer, inputs)
-        with compiled_blocks(transformer):
-            time_forward("pack, compiled (default)", pack_call, transformer, inputs, refs, batches=(1,))
+        pack = pack_dit(transformer)
+        with compiled_blocks(pack):
+            time_forward("pack, compiled (default)", pack_forward, pack, inputs, refs, batches=(1,))
         sampling_overhead(transformer)
         del transformer
         free()

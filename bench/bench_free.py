@@ -9,7 +9,7 @@ True-size random DiT: load it through ComfyUI's model management by sampling one
 from __future__ import annotations
 
 import torch
-from common import machine, random_true_size_dit, use_comfyui
+from common import machine, pack_dit, random_true_size_dit, use_comfyui
 
 
 def gib() -> float:
@@ -25,7 +25,7 @@ def main() -> None:
     from comfyui_ernie_image.nodes.dit.model import make_model_patcher
     from comfyui_ernie_image.nodes.dit.schedule import reference_sigmas
 
-    patcher = make_model_patcher(random_true_size_dit(device="cpu"))
+    patcher = make_model_patcher(pack_dit(random_true_size_dit(device="cpu")))
     print(f"{machine()}\nbuilt on the CPU: {gib():.2f} GiB on the GPU")
     text = [[torch.randn(1, 64, 3072, dtype=torch.bfloat16), {}]]
     noise = torch.randn(1, 128, 64, 64)

@@ -83,7 +83,7 @@ def measure_eager(variant: str, inputs: dict, reference: torch.Tensor | None) ->
     quantize(model, variant, on)
     torch.cuda.synchronize()
     quantize_s = time.perf_counter() - start
-    estimate = make_model_patcher(model).model_size()
+    estimate = make_model_patcher(model, whole=variant != "bf16").model_size()  # quantized: whole, as the loader
     model.to(DEVICE)
     weights = torch.cuda.memory_allocated() - base
     out = forward(model, inputs)
@@ -177,7 +177,7 @@ def measure_run(variant: str) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(CARD_GIB * GIB / total, 1.0))
         on = quantization_device(model, DEVICE, usable_memory) if variant != "bf16" else None
         quantized = stage("load + quantize DiT", partial(quantize, model, variant, on))
-        patcher = compile_by_default(make_model_patcher(quantized))
+        patcher = compile_by_default(make_model_patcher(quantized, whole=variant != "bf16"))
         del model, quantized
         ids = torch.randint(1000, 100000, (1, 300))
         noise = torch.randn(1, TRUE_DIT["in_channels"], LATENT, LATENT)
