@@ -6,6 +6,10 @@ next run compiles nothing new). The sequence length (image tokens + text tokens)
 call, so a new prompt length or image size does not recompile; the batch size stays static (one graph for a
 single pass, one for batched CFG). Installing sets the blocks' ``_compiled_call_impl`` (what
 ``nn.Module.compile`` sets); removing deletes it, which leaves the blocks exactly as they were.
+
+ComfyUI's partial loading (a card too small for the DiT) leaves some layers' weights off the GPU, cast per call.
+Those blocks run eager: they wait on the copies anyway, and each pattern of streamed layers would be a graph of its
+own, compiled again whenever a new prompt loads a different part (seconds per prompt on a 16 GB card).
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ DEFAULT_MIN_CAPABILITY = (8, 0)  # Ampere and later: bf16 tensor cores, where Tr
 # batch (1, or cond and uncond batched) x attention mask (none, or texts of other lengths padded), with room to spare.
 # dynamo's default (8) would run the rest eager, silently.
 RECOMPILE_LIMIT = 64
+
+# What ComfyUI's layers (``comfy.ops``) choose their weights by at each call: their own, or cast or patched on the
+# fly. Core's loading sets them per layer, as instance attributes or not, and dynamo guards on both.
+LAYER_SWITCHES = ("comfy_cast_weights", "weight_function", "bias_function")
 
 log = logging.getLogger(__name__)
 
@@ -122,22 +130,45 @@ def _call_with_dynamic_sequence(compiled: Callable, block: torch.nn.Module, *arg
         return block._call_impl(*args, **kwargs)
 
 
-class RegionalCompile:
-    """Compiles each block of ``blocks`` for one run: ``install`` before it, ``remove`` after (always)."""
+def streams_weights(block: torch.nn.Module, device: torch.device) -> bool:
+    """Whether some layer of ``block`` has its weight off ``device`` or patched per call (ComfyUI's partial loading)."""
+    return any(t.device != device for t in block.parameters()) or any(
+        getattr(m, "weight_function", None) or getattr(m, "bias_function", None) for m in block.modules())
 
-    def __init__(self, blocks: torch.nn.ModuleList, mode: str = "default"):
+
+class RegionalCompile:
+    """Compiles each block of ``blocks`` that runs on ``device`` with its weights there, for one run: ``install``
+    before it, ``remove`` after (always)."""
+
+    def __init__(self, blocks: torch.nn.ModuleList, mode: str = "default", device: torch.device | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.blocks, self.mode = blocks, mode
+        self.device = device or next(blocks.parameters()).device
         self._previous: list = []
+        self._switches_set: list[tuple[torch.nn.Module, str]] = []
 
     def install(self) -> None:
         self._previous = [vars(block).get("_compiled_call_impl") for block in self.blocks]
         compiled = _compiled_block_call(self.mode)
         for block in self.blocks:
-            block._compiled_call_impl = functools.partial(_call_with_dynamic_sequence, compiled, block)
+            if not streams_weights(block, self.device):
+                self._pin_switches(block)
+                block._compiled_call_impl = functools.partial(_call_with_dynamic_sequence, compiled, block)
+
+    def _pin_switches(self, block: torch.nn.Module) -> None:
+        """Every layer holds its switches as instance attributes for the run, so that blocks alike in what they
+        compute are alike to dynamo's guards too, whatever core's loading left behind before."""
+        for layer in block.modules():
+            for name in LAYER_SWITCHES:
+                if hasattr(layer, name) and name not in vars(layer):
+                    setattr(layer, name, getattr(layer, name))
+                    self._switches_set.append((layer, name))
 
     def remove(self) -> None:
+        for layer, name in self._switches_set:
+            vars(layer).pop(name, None)
+        self._switches_set = []
         for block, previous in zip(self.blocks, self._previous, strict=False):
             if previous is None:
                 vars(block).pop("_compiled_call_impl", None)

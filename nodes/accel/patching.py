@@ -111,7 +111,7 @@ def _compile_sampler_sample(executor, *args, **kwargs):
     guider, extra_args = args[0], args[2]
     holder, blocks_name = dit_blocks(guider.model_patcher)
     mode = extra_args["model_options"]["transformer_options"][COMPILE_KEY]
-    regional = RegionalCompile(getattr(holder, blocks_name), mode)
+    regional = RegionalCompile(getattr(holder, blocks_name), mode, torch.device(guider.model_patcher.load_device))
     _announce_compile()
     try:
         regional.install()
