@@ -16,6 +16,7 @@ import argparse
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ def native_dit(path: Path, reference: torch.nn.Module, config: dict) -> torch.nn
 
     spec = importlib.util.spec_from_file_location("native_ernie", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["native_ernie"] = module  # where torch.compile looks the module up again
     spec.loader.exec_module(module)
     with torch.device("meta"):
         model = module.ErnieImageModel(**config, dtype=reference.dtype, operations=comfy.ops.disable_weight_init)

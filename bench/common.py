@@ -18,10 +18,13 @@ TRUE_DIT = dict(
 )
 
 
-def use_comfyui(comfy_dir: Path = REPO / ".cache" / "comfyui", cpu: bool = False) -> None:
-    """Import ComfyUI's core (GPU mode, or ``--cpu``) and the pack as ``comfyui_ernie_image``, as the tests do."""
+def use_comfyui(comfy_dir: Path | None = None, cpu: bool = False) -> None:
+    """Import ComfyUI's core (GPU mode, or ``--cpu``) and the pack as ``comfyui_ernie_image``, as the tests do.
+    The core is ``.gpu/comfyui`` where ``scripts/gpu_carry.sh`` put one (the device), else the tests' own."""
     import importlib.util
 
+    comfy_dir = comfy_dir or next(p for p in (REPO / ".gpu" / "comfyui", REPO / ".cache" / "comfyui")
+                                  if (p / "main.py").is_file())
     sys.argv = sys.argv[:1]
     sys.path.insert(0, str(comfy_dir))
     if cpu:
