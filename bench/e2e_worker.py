@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import resource
 import sys
 import time
 import types
@@ -162,7 +163,8 @@ def run_prompt(execution, executor, graph: dict) -> dict:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         failure = next((data for kind, data in executor.status_messages if kind == "execution_error"), None)
-        row = dict(ok=executor.success and failure is None, seconds=round(seconds, 2), notes=notes.lines)
+        row = dict(ok=executor.success and failure is None, seconds=round(seconds, 2), notes=notes.lines,
+                   peak_rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1))  # KiB
         if failure is not None:
             kind = str(failure.get("exception_type", "")).rsplit(".", 1)[-1]
             row["error"] = f"{failure.get('node_type')}: {kind}: {failure.get('exception_message', '')}"[:600]

@@ -3,6 +3,7 @@
     python bench/gpu_e2e.py                       # quick tier: default mode, every workflow (under 8 minutes)
     python bench/gpu_e2e.py --tier full           # + --lowvram, --novram, emulated 24 GB and 16 GB cards
     python bench/gpu_e2e.py --modes card24,fp8-unet --workflows ernie_image_low_vram
+    python bench/gpu_e2e.py --tier full --parallel 2   # two modes at once (each its own ComfyUI process)
     python bench/gpu_e2e.py --tiny --cpu          # the same on tiny models on the CPU (CI runs two workflows so)
 
 Writes true-size random-weight models in the real layouts once (``e2e_models.py``; about 37 GB under ``--work``),
@@ -10,6 +11,9 @@ then runs one ComfyUI process per mode (``e2e_worker.py``), each running the API
 ComfyUI 0.3.75 can run (the native-ERNIE twin needs ComfyUI >= 0.19; the remote-PE twin needs a server: both are
 listed as not run). Prints a table (result or error, first-run and warm seconds, whole-run peak GPU memory, the
 warnings, OOM retries and fallbacks ComfyUI logged) and writes it with every run's JSON under ``--out``.
+
+``--parallel N`` runs N modes at once, to fit the whole matrix into a lease: each mode still has its own process,
+memory limit and result, but its times then include the other modes' use of the GPU, the bus and the disk.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,7 +64,18 @@ def base_directory(work: Path, mode: str, models: Path) -> Path:
     return base
 
 
-def run_mode(mode: str, args, models: Path, log, deadline: float) -> list[dict]:
+def run_mode(mode: str, args, models: Path, deadline: float) -> list[dict]:
+    """One mode's ComfyUI process over every workflow: its rows (its log in ``e2e-MODE.log`` under ``--out``)."""
+    if time.time() > deadline - 30:
+        return [dict(mode=mode, workflow="(mode)", run="-", ok=False, error="not started: no time left")]
+    start = time.perf_counter()
+    with (args.out / f"e2e-{mode}.log").open("w") as log:
+        rows = _run_worker(mode, args, models, log, deadline)
+    print(f"{mode}: {time.perf_counter() - start:.0f} s", flush=True)
+    return rows
+
+
+def _run_worker(mode: str, args, models: Path, log, deadline: float) -> list[dict]:
     flags, card = MODES[mode]
     results = args.out / f"runs-{mode}.jsonl"
     results.unlink(missing_ok=True)
@@ -79,6 +95,7 @@ def run_mode(mode: str, args, models: Path, log, deadline: float) -> list[dict]:
     except subprocess.TimeoutExpired:
         timed_out = True
     rows = [json.loads(line) for line in results.read_text().splitlines()] if results.is_file() else []
+    results.unlink(missing_ok=True)  # the rows go into e2e.jsonl (few files come back from a lent machine)
     if timed_out or not rows:
         rows.append(dict(workflow="(process)", run="end", ok=False,
                          error="timed out (the check's deadline)" if timed_out else "the process died: see the log"))
@@ -88,12 +105,13 @@ def run_mode(mode: str, args, models: Path, log, deadline: float) -> list[dict]:
 def _peak(runs: list[dict]) -> str:
     allocated = max((r.get("peak_allocated_gib", 0) for r in runs), default=0)
     reserved = max((r.get("peak_reserved_gib", 0) for r in runs), default=0)
-    return f"{allocated:.1f} / {reserved:.1f}" if reserved else "-"
+    ram = max((r.get("peak_rss_gib", 0) for r in runs), default=0)
+    return (f"{allocated:.1f} / {reserved:.1f}" if reserved else "-") + (f"; {ram:.0f}" if ram else "")
 
 
 def table(rows: list[dict]) -> str:
     """One line per mode and workflow: result, first-run and warm seconds, peak GiB, notes from ComfyUI's log."""
-    lines = ["| mode | workflow | result | first run s | warm s | peak GiB alloc / reserved | log notes |",
+    lines = ["| mode | workflow | result | first run s | warm s | peak GiB alloc / reserved; host RAM | log notes |",
              "|---|---|---|---|---|---|---|"]
     groups: dict[tuple[str, str], list[dict]] = {}
     for row in rows:
@@ -132,22 +150,25 @@ def main() -> None:
     parser.add_argument("--pe-tokens", type=int, default=64, help="the PE's max_new_tokens (the workflows: 2048)")
     parser.add_argument("--base-steps", type=int, help="cap the Base workflows' 50 steps (said in the table)")
     parser.add_argument("--deadline-s", type=float, default=560.0, help="stop starting modes after this")
+    parser.add_argument("--parallel", type=int, default=1, help="modes run at once (their times then overlap)")
     args = parser.parse_args()
     args.workflows = args.workflows.split(",")
     modes = args.modes.split(",") if args.modes else TIERS[args.tier]
     deadline = time.time() + args.deadline_s
     args.out.mkdir(parents=True, exist_ok=True)
     models = prepare(args.work, true_size=not args.tiny)
-    rows: list[dict] = []
+    with ThreadPoolExecutor(args.parallel) as pool:
+        rows = [row for mode_rows in pool.map(lambda mode: run_mode(mode, args, models, deadline), modes)
+                for row in mode_rows]
     with (args.out / "e2e.log").open("a") as log:
         for mode in modes:
-            if time.time() > deadline - 30:
-                rows.append(dict(mode=mode, workflow="(mode)", run="-", ok=False, error="not started: no time left"))
-                continue
-            start = time.perf_counter()
-            rows += run_mode(mode, args, models, log, deadline)
-            print(f"{mode}: {time.perf_counter() - start:.0f} s", flush=True)
+            mode_log = args.out / f"e2e-{mode}.log"
+            if mode_log.is_file():
+                log.write(mode_log.read_text())
+                mode_log.unlink()
     report = table(rows)
+    if args.parallel > 1:
+        report += f"\n\n(modes ran {args.parallel} at a time: each time includes the others' load on the machine)"
     (args.out / "e2e.md").write_text(report + "\n")
     (args.out / "e2e.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(report)
