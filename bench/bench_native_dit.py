@@ -7,7 +7,10 @@ each output's relative error against diffusers' forward on an fp32 copy of the w
 ComfyUI's native model (``comfy/ldm/ernie/model.py``, ComfyUI >= 0.19) is public source that stays out of this
 repository: pass a copy with ``--native PATH`` (it imports ``comfy.ldm.modules.attention``, which 0.3.75 has).
 
-    python bench/bench_native_dit.py [--native .gpu/native_ernie.py] [--tiny --device cpu]
+``--profile`` adds, per implementation and way of running, where one forward's GPU time goes: matrix products,
+attention and the rest (norms, modulation, RoPE, casts), and the costliest kernels.
+
+    python bench/bench_native_dit.py [--native .gpu/native_ernie.py] [--profile] [--tiny --device cpu]
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -47,11 +51,43 @@ def time_ms(call, device: torch.device, repeats: int = 5) -> float:
     return 1000 * cuda_time(call, repeats=repeats)
 
 
+# Kernel names by kind (cuBLAS: nvjet, sm90_xmma, cutlass; cuDNN's and FlashAttention's): attention first, as
+# some attention kernels carry an architecture prefix too.
+KINDS = {"attention": re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I),
+         "matmul": re.compile(r"gemm|nvjet|cutlass|xmma|aten::mm|aten::addmm|sm90_", re.I)}
+
+
+def kernel_profile(call, device: torch.device, top: int = 12) -> dict:
+    """One call's kernel time (ms) by kind, and its ``top`` costliest kernels (the CPU's ops on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as trace:
+        call()
+        if cuda:
+            torch.cuda.synchronize()
+    events = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1000, e.count)
+              for e in trace.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0]
+    kinds = dict.fromkeys([*KINDS, "other"], 0.0)
+    for name, ms, _ in events:
+        kinds[next((kind for kind, pattern in KINDS.items() if pattern.search(name)), "other")] += ms
+    events.sort(key=lambda e: -e[1])
+    return dict(kinds_ms={k: round(v, 2) for k, v in kinds.items()},
+                top=[dict(kernel=name[:120], ms=round(ms, 2), calls=count) for name, ms, count in events[:top]])
+
+
+def _print_profile(label: str, profile: dict) -> None:
+    print(f"  {label}: " + ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in profile["kinds_ms"].items()))
+    for kernel in profile["top"]:
+        print(f"    {kernel['ms']:8.2f} ms  {kernel['calls']:5d}x  {kernel['kernel']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--native", type=Path, help="a copy of ComfyUI's comfy/ldm/ernie/model.py")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a smoke run of the script)")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--profile", action="store_true", help="where each forward's kernel time goes")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")) / "native_dit.json")
     args = parser.parse_args()
     use_comfyui(cpu=args.device == "cpu")
@@ -89,16 +125,22 @@ def main() -> None:
             out = call()
             error = ((out.float() - reference).norm() / reference.norm()).item()
             eager = time_ms(call, device)
+            profiles = {"eager": kernel_profile(call, device)} if args.profile else {}
             regional = RegionalCompile(model.layers)
             regional.install()
             try:
                 with compile_settings():
                     compiled = time_ms(call, device)
+                    if args.profile:
+                        profiles["compiled"] = kernel_profile(call, device)
             finally:
                 regional.remove()
-        rows.append(dict(implementation=name, eager_ms=eager, compiled_ms=compiled, rel_error=error))
+        rows.append(dict(implementation=name, eager_ms=eager, compiled_ms=compiled, rel_error=error,
+                         profiles=profiles))
         print(f"{name}: eager {eager:.1f} ms, compiled blocks {compiled:.1f} ms, rel. error vs fp32 {error:.4f}",
               flush=True)
+        for label, profile in profiles.items():
+            _print_profile(label, profile)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(machine=machine(), rows=rows), indent=1))
 
