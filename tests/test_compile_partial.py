@@ -53,6 +53,13 @@ def test_blocks_whose_weights_stream_run_eager_and_the_rest_compiled(tiny_models
     assert [{k: id(v) for k, v in vars(m).items()} for m in layers.modules()] == state, "the run left a trace"
 
 
+def test_a_device_named_without_its_index_holds_the_blocks_on_it(tiny_models):
+    """ComfyUI may name the load device ``cuda`` while the weights are on ``cuda:0``: they are on it."""
+    block = tiny_patcher(tiny_models["snapshot"]).model.diffusion_model.layers[0]
+    assert not streams_weights(block, torch.device("cpu", 0))
+    assert streams_weights(block, GPU)
+
+
 def test_a_whole_load_after_a_partial_one_reuses_the_first_graph(tiny_models):
     """A prompt that loads the DiT whole again (the text encoder unloaded) compiles nothing new, although core's
     partial load left its flags on the layers; and the partially loaded DiT predicts the same compiled or not."""

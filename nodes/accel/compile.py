@@ -130,9 +130,15 @@ def _call_with_dynamic_sequence(compiled: Callable, block: torch.nn.Module, *arg
         return block._call_impl(*args, **kwargs)
 
 
+def _on(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``tensor`` is on ``device``; ``cuda`` without an index (a load device may be named so) is any GPU."""
+    index = tensor.device.index
+    return tensor.device.type == device.type and (index is None or device.index is None or index == device.index)
+
+
 def streams_weights(block: torch.nn.Module, device: torch.device) -> bool:
     """Whether some layer of ``block`` has its weight off ``device`` or patched per call (ComfyUI's partial loading)."""
-    return any(t.device != device for t in block.parameters()) or any(
+    return not all(_on(t, device) for t in block.parameters()) or any(
         getattr(m, "weight_function", None) or getattr(m, "bias_function", None) for m in block.modules())
 
 
