@@ -111,12 +111,35 @@ def start_comfyui(comfy_dir: Path, base_dir: Path, flags: list[str], card_gib: f
 
 
 class _Server:
-    """What the executor needs of ComfyUI's server: no client to send progress to."""
+    """What the executor needs of ComfyUI's server, recording when each node starts (the executor announces nodes
+    to a client only: each prompt names this one). The GPU is synchronised first, so that a node's time includes its
+    work."""
 
-    client_id = last_node_id = last_prompt_id = None
+    client_id = "gpu-e2e-check"
+    last_node_id = last_prompt_id = None
+
+    def __init__(self):
+        self.started: list[tuple[str, float]] = []
 
     def send_sync(self, event, data, sid=None) -> None:
-        pass
+        if event == "executing" and data.get("node") is not None:
+            _synchronize()
+            self.started.append((data["node"], time.perf_counter()))
+
+
+def _synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def node_seconds(started: list[tuple[str, float]], end: float, graph: dict) -> dict[str, float]:
+    """Each executed node's seconds (until the next one started), slowest first, named ``id ClassType``."""
+    ends = [t for _, t in started[1:]] + [end] if started else []
+    seconds = {f"{node} {graph.get(node, {}).get('class_type', '?')}": round(stop - start, 2)
+               for (node, start), stop in zip(started, ends, strict=True)}
+    return dict(sorted(seconds.items(), key=lambda item: -item[1]))
 
 
 def variant(graph: dict, run: int, pe_tokens: int, size: int | None, base_steps: int | None) -> dict:
@@ -152,18 +175,20 @@ def run_prompt(execution, executor, graph: dict) -> dict:
             torch.cuda.reset_peak_memory_stats()  # whole-run peaks: this run's alone
         except RuntimeError:  # an allocator without peak statistics: none recorded
             cuda = False
+    executor.server.started.clear()
     start = time.perf_counter()
     try:
         prompt_id = uuid.uuid4().hex
         valid, error, outputs, node_errors = asyncio.run(execution.validate_prompt(prompt_id, graph, None))
         if not valid:
             return dict(ok=False, error=f"invalid: {error} {node_errors}"[:600], seconds=0.0, notes=notes.lines)
-        executor.execute(graph, prompt_id, {}, outputs)
+        executor.execute(graph, prompt_id, {"client_id": _Server.client_id}, outputs)
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         failure = next((data for kind, data in executor.status_messages if kind == "execution_error"), None)
         row = dict(ok=executor.success and failure is None, seconds=round(seconds, 2), notes=notes.lines,
+                   nodes_s=node_seconds(executor.server.started, start + seconds, graph),
                    peak_rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1))  # KiB
         if failure is not None:
             kind = str(failure.get("exception_type", "")).rsplit(".", 1)[-1]

@@ -128,6 +128,9 @@ def table(rows: list[dict]) -> str:
                 (held["before"], held["after"]))
         seconds = {run: f"{r['seconds']:.1f}" if r.get("seconds") else "-" for run, r in by_run.items()}
         notes = sorted({note for r in runs for note in r.get("notes", [])})
+        slowest = list(by_run.get("warm", {}).get("nodes_s", {}).items())[:3]
+        if slowest:  # where a warm prompt's time goes (model moves land in the node that needs the model)
+            notes.insert(0, "warm: " + ", ".join(f"{node.split(' ', 1)[-1]} {s:.1f} s" for node, s in slowest))
         first = seconds.get("first", "-") + (f" (after /free {seconds['after /free']})" if "after /free" in seconds
                                              else "")
         lines.append(f"| {mode} | {workflow} | {result} | {first} | {seconds.get('warm', '-')} | {_peak(runs)} | "
