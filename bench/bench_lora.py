@@ -96,17 +96,19 @@ def measure(patcher, lora_path: Path | None, inputs: tuple) -> dict:
     return row | turbo(patcher, inputs)
 
 
-def torchao_refusal(dit, lora_path: Path, device: torch.device) -> str:
-    """What the LoRA loader says to the bf16 DiT quantized by the loader's path (fp8_per_row), in place."""
+def torchao_refusal(state: dict, config: dict, lora_path: Path, device: torch.device) -> str:
+    """What the LoRA loader says to a DiT quantized by the loader's path (fp8_per_row), built from ``state`` before
+    any ComfyUI load (a DiT loaded under inference mode holds inference tensors, which torchao cannot quantize)."""
     from safetensors.torch import load_file
 
     from comfyui_ernie_image.nodes.accel.quantize import load_quantized_dit
+    from comfyui_ernie_image.nodes.dit.build import build_diffusion_model
     from comfyui_ernie_image.nodes.dit.model import make_model_patcher
     from comfyui_ernie_image.nodes.errors import ErnieImageError
     from comfyui_ernie_image.nodes.lora.patching import apply_lora
     from comfyui_ernie_image.nodes.managed import usable_memory
 
-    unload()
+    dit = build_diffusion_model(state, config, torch.bfloat16)
     note = "quantized fp8_per_row by the loader's path"
     try:
         with tempfile.TemporaryDirectory() as cache:
@@ -147,6 +149,7 @@ def main() -> None:
     dits = {"fp8_e4m3fn": build_diffusion_model(state, config, torch.bfloat16, torch.float8_e4m3fn),
             "bf16": build_diffusion_model(state, config, torch.bfloat16)}
     patchers = {name: make_model_patcher(dit) for name, dit in dits.items()}  # on the CPU, as the loader leaves it
+    refusal = torchao_refusal(state, config, lora_path, device)
     del transformer, state
     text = torch.randn(tokens, shape["text_in_dim"], dtype=torch.bfloat16)
     inputs = (torch.randn(1, shape["in_channels"], side, side), text, text[:40], reference_sigmas(8), 1.0)
@@ -158,7 +161,6 @@ def main() -> None:
                          extra_peak_gib=with_lora["load_peak_gib"] - plain["load_peak_gib"])
         rows += [dict(weights=name, **plain), dict(weights=name, **with_lora)]
         print(rows[-2], rows[-1], sep="\n", flush=True)
-    refusal = torchao_refusal(dits["bf16"], lora_path, device)
     rows.append(dict(weights="fp8_per_row (torchao)", lora=True, refused=refusal))
     unload()
 
