@@ -53,6 +53,22 @@ def test_blocks_whose_weights_stream_run_eager_and_the_rest_compiled(tiny_models
     assert [{k: id(v) for k, v in vars(m).items()} for m in layers.modules()] == state, "the run left a trace"
 
 
+def test_a_switch_core_sets_during_the_run_stays(tiny_models):
+    """Core may stream a layer in the middle of a run (it then sets the layer's switch): removing the compiled
+    blocks keeps core's setting."""
+    layers = tiny_patcher(tiny_models["snapshot"]).model.diffusion_model.layers
+    layer = layers[0].mlp.up_proj
+    assert "comfy_cast_weights" not in vars(layer)
+    regional = RegionalCompile(layers, device=CPU)
+    regional.install()
+    assert vars(layer)["comfy_cast_weights"] is False and vars(layer)["weight_function"] == []
+    layer.comfy_cast_weights = True
+    layer.weight_function.append(print)  # a per-call patch, in the list the run pinned
+    regional.remove()
+    assert vars(layer)["comfy_cast_weights"] is True and vars(layer)["weight_function"] == [print]
+    assert type(layer).weight_function == [], "the class's shared list changed"
+
+
 def test_a_device_named_without_its_index_holds_the_blocks_on_it(tiny_models):
     """ComfyUI may name the load device ``cuda`` while the weights are on ``cuda:0``: they are on it."""
     block = tiny_patcher(tiny_models["snapshot"]).model.diffusion_model.layers[0]

@@ -152,7 +152,7 @@ class RegionalCompile:
         self.blocks, self.mode = blocks, mode
         self.device = device or next(blocks.parameters()).device
         self._previous: list = []
-        self._switches_set: list[tuple[torch.nn.Module, str]] = []
+        self._switches_set: list[tuple[torch.nn.Module, str, object]] = []
 
     def install(self) -> None:
         self._previous = [vars(block).get("_compiled_call_impl") for block in self.blocks]
@@ -168,12 +168,15 @@ class RegionalCompile:
         for layer in block.modules():
             for name in LAYER_SWITCHES:
                 if hasattr(layer, name) and name not in vars(layer):
-                    setattr(layer, name, getattr(layer, name))
-                    self._switches_set.append((layer, name))
+                    value = getattr(layer, name)
+                    value = list(value) if isinstance(value, list) else value  # not the class's shared list
+                    setattr(layer, name, value)
+                    self._switches_set.append((layer, name, value))
 
     def remove(self) -> None:
-        for layer, name in self._switches_set:
-            vars(layer).pop(name, None)
+        for layer, name, value in self._switches_set:
+            if vars(layer).get(name) is value and not (isinstance(value, list) and value):
+                del vars(layer)[name]  # unchanged since install: the class attribute again (core's own change stays)
         self._switches_set = []
         for block, previous in zip(self.blocks, self._previous, strict=False):
             if previous is None:
