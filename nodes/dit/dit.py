@@ -12,8 +12,9 @@ renaming. What differs is how it runs:
 - No attention mask when every text has its full length: an all-true mask keeps SDPA off its fastest kernels.
   Text lengths are host integers, so neither the decision nor the positions wait for the GPU.
 - Fewer passes over the activations where blocks run eager (uncompiled): the fp32 modulation and gates read the
-  bf16 activations as they are (type promotion) instead of upcast copies, and RoPE folds rotate-half's sign into
-  its sines, one multiply-add. The results are the reference's to fp32 rounding.
+  bf16 activations as they are (type promotion) and write bf16 (no fp32 copies), and RoPE folds rotate-half's sign
+  into its sines and adds each half's partner in place (no rotated copy). The results are the reference's to fp32
+  rounding. (The ``out=`` forms take no autograd: the DiT runs for inference, as ComfyUI's executor runs it.)
 """
 
 from __future__ import annotations
@@ -38,18 +39,26 @@ def _rope_angles(positions: torch.Tensor, axes_dim: tuple[int, ...], theta: floa
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """diffusers' RoPE on ``[B, S, heads, head_dim]``: ``x * cos + [-x2, x1] * sin``, the minus in ``signed_sin``."""
+    """diffusers' RoPE on ``[B, S, heads, head_dim]``: ``x * cos + [-x2, x1] * sin``, the minus in ``signed_sin``.
+    Each half adds its partner's product in place, so the rotated copy of ``x`` is never written."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), signed_sin)
+    sin1, sin2 = signed_sin.chunk(2, dim=-1)
+    out = x * cos
+    out1, out2 = out.chunk(2, dim=-1)
+    out1.addcmul_(x2, sin1)
+    out2.addcmul_(x1, sin2)
+    return out
 
 
 def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    # In fp32 as the reference: the fp32 shift and scale promote the bf16 ``x`` inside the one kernel.
-    return torch.addcmul(shift.float(), x, 1 + scale.float()).to(x.dtype)
+    # In fp32 as the reference: the fp32 shift and scale promote the bf16 ``x`` inside the one kernel, which
+    # rounds to ``x``'s dtype as it writes (no fp32 copy of the activations).
+    return torch.addcmul(shift.float(), x, 1 + scale.float(), out=torch.empty_like(x))
 
 
 def _gated(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-    return x + (gate.float() * update).to(x.dtype)  # the product in fp32, as the reference's
+    # The product in fp32 rounded to x's dtype, then the residual sum: the reference's two roundings, in two kernels.
+    return x + torch.mul(gate.float(), update, out=torch.empty_like(x))
 
 
 def timestep_embedding(timestep: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
