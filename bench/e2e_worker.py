@@ -7,9 +7,11 @@ are loaded, moved and freed by ComfyUI's model management, as in the server. Eac
 time with another prompt text and seed, so the text encoder runs again); after the local PE, ComfyUI's ``/free``
 (what the server's worker runs for it) and the Turbo workflow once more. One JSON line per run goes to ``--json``.
 
-An emulated smaller card: torch may allocate no more than the card (``set_per_process_memory_fraction``) and
-ComfyUI reserves the rest of the GPU plus its default reserve (``--reserve-vram``), so ComfyUI sees a card of that
-size. Missing ``av`` (ComfyUI's API imports it; absent on the GPU machine): a stand-in module while ComfyUI imports.
+An emulated smaller card is this process's alone, whatever else runs on the GPU (``gpu_e2e --parallel``): torch
+may allocate no more than the card less a CUDA context (``set_per_process_memory_fraction``), and
+``torch.cuda.mem_get_info``, which ComfyUI and the pack read for total and free memory, reports the card and what
+this process has not reserved of it. Missing ``av`` (ComfyUI's API imports it; absent on the GPU machine): a
+stand-in module while ComfyUI imports.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import uuid
 from pathlib import Path
 
 GIB = 2**30
-COMFY_DEFAULT_RESERVE_GIB = 0.4  # ComfyUI's EXTRA_RESERVED_VRAM on Linux, which --reserve-vram replaces
+CUDA_CONTEXT_GIB = 0.5  # what a CUDA context takes of a real card, outside torch's allocator
 NOTEWORTHY = re.compile(r"out of memory|retry|tiled|fall(s|ing)? back|fell back|loaded partially|recompile|"
                         r"compil(e|ing) the DiT|ERNIE-Image", re.IGNORECASE)
 
@@ -75,6 +77,18 @@ class LogNotes(logging.Handler):
             self.lines.append(f"{record.levelname}: {message}")
 
 
+def emulate_card(torch, card_gib: float) -> None:
+    """This process sees a card of ``card_gib``: the device-wide free memory (the other modes' processes included)
+    is replaced by the card less the context and this process's own reservations."""
+    card, context = card_gib * GIB, CUDA_CONTEXT_GIB * GIB
+    torch.cuda.set_per_process_memory_fraction((card - context) / torch.cuda.get_device_properties(0).total_memory)
+
+    def mem_get_info(device=None) -> tuple[int, int]:
+        return max(int(card - context) - torch.cuda.memory_reserved(device), 0), int(card)
+
+    torch.cuda.mem_get_info = mem_get_info
+
+
 def start_comfyui(comfy_dir: Path, base_dir: Path, flags: list[str], card_gib: float | None):
     """Import ComfyUI as ``main.py`` would, with ``flags``; returns its ``execution`` and ``nodes`` modules."""
     sys.argv = ["main.py", *flags, "--base-directory", str(base_dir), "--disable-auto-launch"]
@@ -89,10 +103,8 @@ def start_comfyui(comfy_dir: Path, base_dir: Path, flags: list[str], card_gib: f
         import cuda_malloc  # noqa: F401  (ComfyUI's default allocator choice, made before torch loads)
     import torch
 
-    if card_gib is not None:
-        total = torch.cuda.get_device_properties(0).total_memory
-        args.reserve_vram = (total - card_gib * GIB) / GIB + COMFY_DEFAULT_RESERVE_GIB
-        torch.cuda.set_per_process_memory_fraction(card_gib * GIB / total)
+    if card_gib is not None:  # before ComfyUI's model management reads the card's size
+        emulate_card(torch, card_gib)
     stand_in = _AvStandIn() if importlib.util.find_spec("av") is None else None
     if stand_in is not None:
         sys.meta_path.insert(0, stand_in)

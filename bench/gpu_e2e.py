@@ -13,7 +13,8 @@ listed as not run). Prints a table (result or error, first-run and warm seconds,
 warnings, OOM retries and fallbacks ComfyUI logged) and writes it with every run's JSON under ``--out``.
 
 ``--parallel N`` runs N modes at once, to fit the whole matrix into a lease: each mode still has its own process,
-memory limit and result, but its times then include the other modes' use of the GPU, the bus and the disk.
+memory limit and result (an emulated card counts this process's memory alone), but its times then include the other
+modes' use of the GPU, the bus, the CPUs and the disk.
 """
 
 from __future__ import annotations
