@@ -156,3 +156,53 @@ def test_a_model_that_is_not_an_ernie_dit_is_named():
              r"Connect the MODEL of an ERNIE-Image loader")
     with pytest.raises(ErnieImageError, match=words):
         apply_lora(NotErnie(), lora_file("peft", deltas(LAYERS, 1)), 1.0, "x")
+
+
+def _adapter(kind: str, rows: int, cols: int, generator: torch.Generator) -> tuple[dict, callable]:
+    """One layer's tensors of a LyCORIS adapter (the suffixes after the layer's name) and the weight it makes of the
+    layer's weight ``w``, by the adapter's own formula (written here, not taken from core)."""
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator) * 0.5
+
+    if kind == "loha":  # Hadamard product of two rank-4 products, scaled by alpha / rank
+        w1a, w1b, w2a, w2b = rand(rows, RANK), rand(RANK, cols), rand(rows, RANK), rand(RANK, cols)
+        tensors = dict(hada_w1_a=w1a, hada_w1_b=w1b, hada_w2_a=w2a, hada_w2_b=w2b, alpha=torch.tensor(2.0))
+        return tensors, lambda w: w + (w1a @ w1b) * (w2a @ w2b) * (2.0 / RANK)
+    if kind == "lokr":  # Kronecker product of two full factors (no alpha: scale 1)
+        w1, w2 = rand(rows // 8, cols // 8), rand(8, 8)
+        return dict(lokr_w1=w1, lokr_w2=w2), lambda w: w + torch.kron(w1, w2)
+    # DoRA: the LoRA-updated weight's columns rescaled to the trained magnitudes (dora_scale [1, in])
+    down, up, magnitude = rand(RANK, cols), rand(rows, RANK), rand(1, cols).abs() + 0.5
+    tensors = {"lora_A.weight": down, "lora_B.weight": up, "dora_scale": magnitude}
+    return tensors, lambda w: (w + up @ down) * magnitude / ((w + up @ down).norm(dim=0, keepdim=True)
+                                                             + torch.finfo(w.dtype).eps)
+
+
+@pytest.mark.parametrize("kind", ["loha", "lokr", "dora"])
+def test_lycoris_adapters_and_dora_reach_cores_weight_adapters(tiny_models, plain_latent, kind):
+    """LoHa, LoKr and DoRA tensors under the diffusers prefix (a layout core's own mapping misses) are applied by the
+    pack's node through core's weight adapters: the result is each adapter's formula merged into the weights."""
+    generator = torch.Generator().manual_seed(8)
+    shapes = {"layers.0.self_attention.to_q": (64, 64), "layers.3.mlp.up_proj": (128, 64)}
+    tensors, merges = {}, {}
+    for layer, (rows, cols) in shapes.items():
+        layer_tensors, merges[layer] = _adapter(kind, rows, cols, generator)
+        tensors |= {f"transformer.{layer}.{suffix}": t for suffix, t in layer_tensors.items()}
+    patched, report = apply_lora(tiny_patcher(tiny_models["snapshot"]), tensors, 1.0, kind)
+    assert report.applied == 2
+    reference = tiny_patcher(tiny_models["snapshot"])
+    parameters = dict(reference.model.diffusion_model.named_parameters())
+    with torch.no_grad():
+        for layer, merge in merges.items():
+            parameters[f"{layer}.weight"].copy_(merge(parameters[f"{layer}.weight"].clone()))
+    expected = dict(reference.model.diffusion_model.named_parameters())
+    patched.patch_model()  # core merges the patches into the weights, as a load does
+    try:
+        weights = dict(patched.model.diffusion_model.named_parameters())
+        for layer in shapes:
+            torch.testing.assert_close(weights[f"{layer}.weight"], expected[f"{layer}.weight"])
+    finally:
+        patched.unpatch_model()
+    ours = sample(patched)
+    assert (ours - plain_latent).abs().max() > 10 / 255
+    torch.testing.assert_close(ours, sample(reference), atol=1 / 255, rtol=0)
