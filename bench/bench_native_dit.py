@@ -8,7 +8,9 @@ ComfyUI's native model (``comfy/ldm/ernie/model.py``, ComfyUI >= 0.19) is public
 repository: pass a copy with ``--native PATH`` (it imports ``comfy.ldm.modules.attention``, which 0.3.75 has).
 
 ``--profile`` adds, per implementation and way of running, where one forward's GPU time goes: matrix products,
-attention and the rest (norms, modulation, RoPE, casts), and the costliest kernels.
+attention and the rest (norms, modulation, RoPE, casts), and the costliest kernels; and the SM clock and power draw
+while each is timed, beside the rate of the blocks' largest matrix product alone, run once after a pause and back to
+back (whether the GPU clocks down under dense work, which the compiled blocks are).
 
     python bench/bench_native_dit.py [--native .gpu/native_ernie.py] [--profile] [--tiny --device cpu]
 """
@@ -21,10 +23,11 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import torch
-from common import TRUE_DIT, cuda_time, machine, pack_dit, pack_forward, random_true_size_dit, use_comfyui
+from common import TRUE_DIT, cuda_time, gpu_clock, machine, pack_dit, pack_forward, random_true_size_dit, use_comfyui
 
 TINY = dict(hidden_size=64, num_attention_heads=4, num_layers=3, ffn_hidden_size=128, in_channels=128,
             out_channels=128, text_in_dim=32, rope_axes_dim=(4, 6, 6))
@@ -44,11 +47,30 @@ def native_dit(path: Path, reference: torch.nn.Module, config: dict) -> torch.nn
     return model.eval()
 
 
-def time_ms(call, device: torch.device, repeats: int = 5) -> float:
+def time_ms(call, device: torch.device, repeats: int = 5, readings: dict | None = None) -> float:
     call()  # warm-up (and compile) at the timed shapes
     if device.type != "cuda":
         return float("nan")
-    return 1000 * cuda_time(call, repeats=repeats)
+    with gpu_clock(readings if readings is not None else {}):
+        return 1000 * cuda_time(call, repeats=repeats)
+
+
+def matmul_rates(device: torch.device, tokens: int, hidden: int, ffn: int) -> dict:
+    """TFLOP/s of the blocks' largest product (``tokens × hidden → ffn``) once after a 0.2 s pause (median of 5),
+    and 200 times back to back, with the clock and power of the latter."""
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+    w = torch.randn(ffn, hidden, device=device, dtype=torch.bfloat16)
+    flop = 2 * tokens * hidden * ffn
+    torch.nn.functional.linear(x, w)
+    once = []
+    for _ in range(5):
+        time.sleep(0.2)
+        once.append(cuda_time(lambda: torch.nn.functional.linear(x, w)))
+    readings: dict = {}
+    with gpu_clock(readings):
+        seconds = cuda_time(lambda: [torch.nn.functional.linear(x, w) for _ in range(200)])
+    return dict(after_pause_tflops=round(flop / sorted(once)[2] / 1e12), back_to_back_tflops=round(
+        200 * flop / seconds / 1e12), back_to_back=readings)
 
 
 # Kernel names by kind (cuBLAS: nvjet, sm90_xmma, cutlass; cuDNN's and FlashAttention's): attention first, as
@@ -124,25 +146,30 @@ def main() -> None:
         with torch.inference_mode():
             out = call()
             error = ((out.float() - reference).norm() / reference.norm()).item()
-            eager = time_ms(call, device)
+            clocks: dict = {"eager": {}, "compiled": {}}
+            eager = time_ms(call, device, readings=clocks["eager"])
             profiles = {"eager": kernel_profile(call, device)} if args.profile else {}
             regional = RegionalCompile(model.layers)
             regional.install()
             try:
                 with compile_settings():
-                    compiled = time_ms(call, device)
+                    compiled = time_ms(call, device, readings=clocks["compiled"])
                     if args.profile:
                         profiles["compiled"] = kernel_profile(call, device)
             finally:
                 regional.remove()
         rows.append(dict(implementation=name, eager_ms=eager, compiled_ms=compiled, rel_error=error,
-                         profiles=profiles))
-        print(f"{name}: eager {eager:.1f} ms, compiled blocks {compiled:.1f} ms, rel. error vs fp32 {error:.4f}",
-              flush=True)
+                         profiles=profiles, clocks=clocks))
+        print(f"{name}: eager {eager:.1f} ms, compiled blocks {compiled:.1f} ms, rel. error vs fp32 {error:.4f}; "
+              f"clock and power {clocks}", flush=True)
         for label, profile in profiles.items():
             _print_profile(label, profile)
+    rates = matmul_rates(device, side * side + tokens, config["hidden_size"], config["ffn_hidden_size"]) if (
+        args.profile and device.type == "cuda") else {}
+    if rates:
+        print(f"the blocks' largest product alone: {rates}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(machine=machine(), rows=rows), indent=1))
+    args.out.write_text(json.dumps(dict(machine=machine(), rows=rows, matmul=rates), indent=1))
 
 
 if __name__ == "__main__":

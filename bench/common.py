@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -83,3 +85,31 @@ def cuda_time(fn, repeats: int = 1) -> float:
 def machine() -> str:
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return f"{name}, torch {torch.__version__}, {os.cpu_count()} CPUs"
+
+
+@contextmanager
+def gpu_clock(readings: dict, period_s: float = 0.01):
+    """Samples the GPU's SM clock (MHz) and power draw (W) while the block runs (NVML, through torch); on leaving,
+    ``readings`` holds their means (``sm_mhz``, ``watts``), or nothing where NVML is missing."""
+    samples: list[tuple[int, float]] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.wait(period_s):
+            samples.append((torch.cuda.clock_rate(), torch.cuda.power_draw() / 1000))
+
+    try:
+        torch.cuda.clock_rate()
+    except Exception:  # no NVML (pynvml) on this machine: no readings
+        yield
+        return
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        if samples:
+            readings.update(sm_mhz=round(sum(s[0] for s in samples) / len(samples)),
+                            watts=round(sum(s[1] for s in samples) / len(samples)))
