@@ -5,11 +5,16 @@ ComfyUI first. For each decode: the peak of allocated GPU memory above the loade
 of 3 after a warm-up). Tiled is what core's ``VAEDecodeTiled`` node runs at its defaults (512 px tiles, 64 px
 overlap); its difference from the whole decode is ``||tiled - whole|| / ||whole||``.
 
-    cd bench && python3 bench_vae.py
+``--stages`` adds where the whole decode's peak is: for each of the decoder's layers (the mid block's, each up
+block's resnets and upsampler, the output norm and conv), the peak it allocates above what was allocated when it
+started, and the largest three (a layer whose peak is far above its output's size is a kernel's workspace).
+
+    cd bench && python3 bench_vae.py [--stages]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from functools import partial
@@ -32,7 +37,41 @@ def measure(decode) -> tuple[torch.Tensor, float, float]:
     return out, peak, cuda_time(decode, repeats=3)
 
 
+def stage_peaks(decoder: torch.nn.Module, decode) -> list[tuple[str, float, float]]:
+    """(layer, peak GiB above its start, output GiB) for the decoder's leaf-level layers in one whole decode."""
+    layers = [(name, module) for name, module in decoder.named_modules()
+              if name and not any(True for _ in module.children())]
+    starts: dict[str, int] = {}
+    peaks: list[tuple[str, float, float]] = []
+
+    def before(name):
+        def hook(module, inputs):
+            torch.cuda.synchronize()
+            starts[name] = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        return hook
+
+    def after(name):
+        def hook(module, inputs, output):
+            torch.cuda.synchronize()
+            size = output.numel() * output.element_size() if isinstance(output, torch.Tensor) else 0
+            peaks.append((name, (torch.cuda.max_memory_allocated() - starts[name]) / GIB, size / GIB))
+        return hook
+
+    handles = [h for name, module in layers for h in (module.register_forward_pre_hook(before(name)),
+                                                     module.register_forward_hook(after(name)))]
+    try:
+        decode()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return peaks
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", action="store_true", help="the whole decode's peak per decoder layer")
+    options = parser.parse_args()
     use_comfyui()
     import comfy.model_management
     from diffusers import AutoencoderKLFlux2
@@ -51,6 +90,12 @@ def main() -> None:
                 whole=dict(peak_gib=whole_peak, s=whole_s),
                 tiled=dict(peak_gib=tiled_peak, s=tiled_s,
                            rel_diff=float((tiled.float() - whole.float()).norm() / whole.float().norm())))
+    if options.stages:
+        peaks = stage_peaks(vae.first_stage_model.decoder, partial(vae.decode, latent))
+        rows["stages"] = [dict(layer=n, peak_gib=round(p, 3), output_gib=round(o, 3)) for n, p, o in peaks]
+        print("largest layer peaks (GiB above the layer's start; its output's size):")
+        for name, peak, out in sorted(peaks, key=lambda row: -row[1])[:3]:
+            print(f"  {name}: {peak:.2f} (output {out:.2f})")
     comfy.model_management.unload_all_models()
     print(json.dumps(rows, indent=1))
     print(f"\n{machine()}, VAE in {vae.vae_dtype}; ComfyUI's estimate for the decode: {estimate:.2f} GiB\n")
