@@ -53,7 +53,6 @@ def test_forward_equals_diffusers(reference, dit, lengths):
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
 
 
-
 def test_bf16_forward_is_within_diffusers_bf16_error(reference, dit):
     """The bf16 path the GPU runs (the mixed-dtype ``out=`` kernels, RoPE added in place) runs on bf16 inputs and is
     no farther from the fp32 forward than diffusers' own module in bf16 (plus a margin for rounding noise)."""

@@ -6,6 +6,8 @@ the tiny DiT, and a merged reference is the same DiT with ``strength · scale ·
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import comfy.sd
 import pytest
 import torch
@@ -158,7 +160,7 @@ def test_a_model_that_is_not_an_ernie_dit_is_named():
         apply_lora(NotErnie(), lora_file("peft", deltas(LAYERS, 1)), 1.0, "x")
 
 
-def _adapter(kind: str, rows: int, cols: int, generator: torch.Generator) -> tuple[dict, callable]:
+def _adapter(kind: str, rows: int, cols: int, generator: torch.Generator) -> tuple[dict, Callable]:
     """One layer's tensors of a LyCORIS adapter (the suffixes after the layer's name) and the weight it makes of the
     layer's weight ``w``, by the adapter's own formula (written here, not taken from core)."""
     def rand(*shape):
@@ -195,12 +197,11 @@ def test_lycoris_adapters_and_dora_reach_cores_weight_adapters(tiny_models, plai
     with torch.no_grad():
         for layer, merge in merges.items():
             parameters[f"{layer}.weight"].copy_(merge(parameters[f"{layer}.weight"].clone()))
-    expected = dict(reference.model.diffusion_model.named_parameters())
     patched.patch_model()  # core merges the patches into the weights, as a load does
     try:
         weights = dict(patched.model.diffusion_model.named_parameters())
         for layer in shapes:
-            torch.testing.assert_close(weights[f"{layer}.weight"], expected[f"{layer}.weight"])
+            torch.testing.assert_close(weights[f"{layer}.weight"], parameters[f"{layer}.weight"])
     finally:
         patched.unpatch_model()
     ours = sample(patched)
