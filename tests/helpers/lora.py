@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from helpers.accel import tiny_patcher
@@ -42,12 +44,19 @@ def lora_file(layout: str, lora: dict[str, tuple[torch.Tensor, torch.Tensor]]) -
     return tensors
 
 
+def rewrite(patcher, changes: dict[str, Callable[[torch.Tensor], torch.Tensor]]):
+    """``patcher`` with each named layer's weight replaced, in place, by ``change(weight)``."""
+    parameters = dict(patcher.model.diffusion_model.named_parameters())
+    with torch.no_grad():
+        for layer, change in changes.items():
+            parameters[f"{layer}.weight"].copy_(change(parameters[f"{layer}.weight"].clone()))
+    return patcher
+
+
 def merged(snapshot, *loras: tuple[dict, float, float]):
     """The tiny DiT with each (deltas, strength, scale) merged into its weights."""
     patcher = tiny_patcher(snapshot)
-    parameters = dict(patcher.model.diffusion_model.named_parameters())
-    with torch.no_grad():
-        for lora, strength, scale in loras:
-            for layer, (down, up) in lora.items():
-                parameters[f"{layer}.weight"] += strength * scale * (up @ down)
+    for lora, strength, scale in loras:
+        rewrite(patcher, {layer: lambda w, d=up @ down, k=strength * scale: w + k * d
+                          for layer, (down, up) in lora.items()})
     return patcher
