@@ -14,12 +14,12 @@ import comfy.samplers
 import pytest
 import torch
 
-from comfyui_ernie_image.nodes.accel.cache import CacheRun, step_index
+from comfyui_ernie_image.nodes.accel.cache import CacheRun, step_index, stored_streams
 from comfyui_ernie_image.nodes.accel.cache_presets import BASE_STEPS, PRESETS, TURBO_STEPS, CacheSettings, resolve
 from comfyui_ernie_image.nodes.accel.patching import CacheJob, apply_cache, dit_blocks
 from comfyui_ernie_image.nodes.dit.schedule import reference_sigmas
 from comfyui_ernie_image.nodes.errors import ErnieImageError
-from helpers.accel import CallCounter, module_state, sample, text, tiny_patcher
+from helpers.accel import CallCounter, held_bytes, module_state, sample, text, tiny_patcher
 
 STATIC_MEDIUM = CacheSettings(steps_mask="medium", steps_mask_cache="static")  # 8 steps: mask 11110101
 FN = STATIC_MEDIUM.Fn_compute_blocks  # index of the first block that a cached step skips
@@ -93,6 +93,36 @@ def test_a_real_threshold_caches_steps_and_stays_close(plain, caplog):
     start = torch.randn(uncached.shape, generator=torch.manual_seed(1))  # sample()'s noise
     drift = float((result - uncached).norm() / (uncached - start).norm())
     assert 0 < drift < 0.02
+
+
+@pytest.mark.parametrize("order, bn", [(0, 0), (1, 0), (1, 2), (2, 3)])
+def test_the_memory_estimate_counts_what_cache_dit_keeps(plain, order, bn, monkeypatch):
+    """ComfyUI loads the cached MODEL for a memory estimate that includes, on top of the DiT's own, exactly the
+    stores that cache-dit then holds (the most any step held, CFG batched: one context of batch 2); afterwards the
+    DiT's estimate is its own again."""
+    requested, held = [], []
+    load = comfy.model_management.load_models_gpu
+    activate = CacheRun.activate
+
+    def load_spy(models, memory_required=0, **kwargs):
+        requested.append(memory_required)
+        return load(models, memory_required=memory_required, **kwargs)
+
+    def activate_spy(run, call, step):
+        held.append(held_bytes(run._contexts))
+        return activate(run, call, step)
+
+    monkeypatch.setattr(comfy.model_management, "load_models_gpu", load_spy)
+    monkeypatch.setattr(CacheRun, "activate", activate_spy)
+    settings = CacheSettings(Fn_compute_blocks=4, Bn_compute_blocks=bn, residual_diff_threshold=0.5,
+                             max_warmup_steps=2, taylorseer_order=order)
+    sample(plain, steps=20)
+    sample(cached(plain, settings), steps=20)
+    width, tokens = 64, 8 * 8 + 7  # the tiny DiT's stream: 8x8 latent patches and the longer (7-token) prompt
+    stores = stored_streams(settings) * 2 * tokens * width * 4  # float32
+    assert requested[1] - requested[0] == stores
+    assert max(held) == stores
+    assert "memory_required" not in vars(plain.model)
 
 
 def test_runs_leave_no_trace_after_success_error_and_interrupt(plain):

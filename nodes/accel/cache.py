@@ -59,6 +59,14 @@ def check_block_count(settings: CacheSettings, blocks: int) -> None:
         )
 
 
+def stored_streams(settings: CacheSettings) -> int:
+    """How many tensors shaped like the blocks' stream (``[batch, tokens, width]``) one cache context keeps across
+    steps: 2, or 3 + 2n with TaylorSeer of order n. Counted on cache-dit 1.5.3, at any Bn, by
+    ``test_cache_engine.py::test_the_memory_estimate_counts_what_cache_dit_keeps``."""
+    order = settings.taylorseer_order
+    return 3 + 2 * order if order else 2
+
+
 def _ranges(steps: list[int]) -> str:
     """``[3, 4, 5, 9]`` → ``3-5,9``."""
     runs: list[list[int]] = []

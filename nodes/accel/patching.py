@@ -8,7 +8,9 @@ wrappers (the pattern of core's EasyCache node):
   or the compiled blocks, with that run's real step count (from its sigmas), and removes them in ``finally`` —
   after success, error or interrupt;
 - ``APPLY_MODEL`` (around each model call, cache only): selects the cache context for the call's
-  ``cond_or_uncond`` at the step that the call's sigma belongs to.
+  ``cond_or_uncond`` at the step that the call's sigma belongs to;
+- ``PREPARE_SAMPLING`` (around ComfyUI's loading for a run, cache only): adds what cache-dit keeps across steps
+  to the memory ComfyUI frees for sampling, so a small card loads that much less of the DiT.
 
 A graph without the node has neither wrapper, so a bypassed or deleted node leaves nothing behind. No state
 lives outside the clone's options and the run's own objects.
@@ -18,15 +20,17 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import sys
 from dataclasses import dataclass
 
+import comfy.model_management
 import comfy.model_patcher
 import comfy.patcher_extension
 import torch
 
 from ..errors import ErnieImageError
-from .cache import CacheRun, check_block_count, step_index
+from .cache import CacheRun, check_block_count, step_index, stored_streams
 from .cache_presets import CacheSettings
 from .compile import RegionalCompile, compile_problem, compile_settings, compiles_by_default
 
@@ -36,6 +40,7 @@ RUN_KEY = "ernie_image_cache_dit_run"
 OFF = "off"  # the compile node's mode that turns compilation off
 SAMPLER_SAMPLE = comfy.patcher_extension.WrappersMP.SAMPLER_SAMPLE
 APPLY_MODEL = comfy.patcher_extension.WrappersMP.APPLY_MODEL
+PREPARE_SAMPLING = comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING
 
 
 @dataclass(frozen=True)
@@ -95,13 +100,39 @@ def _cache_apply_model(executor, *args, **kwargs):
     return executor(*args, **kwargs)
 
 
+def _cache_prepare_sampling(executor, model, noise_shape, conds, model_options=None):
+    # ComfyUI frees room for sampling by the model's memory_required, which knows nothing of cache-dit's stores: on
+    # an emulated 16 GB card the DiT was loaded up to that estimate and the first cached run ran out of memory. For
+    # this load only (ComfyUI's cond batching reads the estimate again while the stores already exist), they count.
+    job: CacheJob = model_options["transformer_options"][CACHE_KEY]
+    base = model.model
+    holder, _ = dit_blocks(model)
+    embedder = holder.x_embedder.proj  # the pack's DiT and ComfyUI's native one: a patch_size conv to the width
+    text = max((c["cross_attn"].shape[1] for cs in conds.values() for c in cs if "cross_attn" in c), default=0)
+    dtype = base.manual_cast_dtype or base.get_dtype()
+    estimate = base.memory_required
+
+    def with_cache_stores(input_shape, cond_shapes={}):
+        tokens = math.prod(input_shape[2:]) // math.prod(embedder.kernel_size) + text
+        stores = stored_streams(job.settings) * input_shape[0] * tokens * embedder.out_channels
+        return estimate(input_shape, cond_shapes) + stores * comfy.model_management.dtype_size(dtype)
+
+    base.memory_required = with_cache_stores
+    try:
+        return executor(model, noise_shape, conds, model_options=model_options)
+    finally:
+        del base.memory_required  # the class's own again
+
+
 def apply_cache(model: comfy.model_patcher.ModelPatcher, job: CacheJob) -> comfy.model_patcher.ModelPatcher:
     """A clone of ``model`` that samples with Cache-DiT (a later cache node in a chain replaces an earlier one)."""
     holder, blocks_name = dit_blocks(model)
     check_block_count(job.settings, len(getattr(holder, blocks_name)))
     model = model.clone()
     model.model_options.setdefault("transformer_options", {})[CACHE_KEY] = job
-    for wrapper_type, wrapper in ((SAMPLER_SAMPLE, _cache_sampler_sample), (APPLY_MODEL, _cache_apply_model)):
+    wrappers = ((SAMPLER_SAMPLE, _cache_sampler_sample), (APPLY_MODEL, _cache_apply_model),
+                (PREPARE_SAMPLING, _cache_prepare_sampling))
+    for wrapper_type, wrapper in wrappers:
         model.remove_wrappers_with_key(wrapper_type, CACHE_KEY)
         model.add_wrapper_with_key(wrapper_type, CACHE_KEY, wrapper)
     return model

@@ -60,3 +60,24 @@ class CallCounter:
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def held_bytes(obj, seen: set[int] | None = None, storages: dict[int, int] | None = None) -> int:
+    """Bytes of the tensor storages reachable from ``obj`` through containers and plain objects' attributes (not
+    through torch modules): what a cache context keeps."""
+    seen, storages = set() if seen is None else seen, {} if storages is None else storages
+    if id(obj) in seen or isinstance(obj, (torch.nn.Module, type)):
+        return sum(storages.values())
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            held_bytes(value, seen, storages)
+    elif isinstance(obj, (list, tuple, set)):
+        for value in obj:
+            held_bytes(value, seen, storages)
+    elif hasattr(obj, "__dict__"):
+        for value in vars(obj).values():
+            held_bytes(value, seen, storages)
+    return sum(storages.values())
