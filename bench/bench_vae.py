@@ -5,9 +5,10 @@ ComfyUI first. For each decode: the peak of allocated GPU memory above the loade
 of 3 after a warm-up). Tiled is what core's ``VAEDecodeTiled`` node runs at its defaults (512 px tiles, 64 px
 overlap); its difference from the whole decode is ``||tiled - whole|| / ||whole||``.
 
-``--stages`` adds where the whole decode's peak is: for each of the decoder's layers (the mid block's, each up
-block's resnets and upsampler, the output norm and conv), the peak it allocates above what was allocated when it
-started, and the largest three (a layer whose peak is far above its output's size is a kernel's workspace).
+``--stages`` adds where the whole decode's peak is: for each stage of the decoder (input conv, the mid block's
+resnets and attention, each up block's resnets, attentions and upsampler, the output norm and conv), the peak it
+allocates above what was allocated when it started and above the decode's start, and the largest three (a stage
+whose peak is far above its output's size holds scratch: a kernel's workspace or an attention matrix).
 
     cd bench && python3 bench_vae.py [--stages]
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from functools import partial
 
 import torch
@@ -37,12 +39,17 @@ def measure(decode) -> tuple[torch.Tensor, float, float]:
     return out, peak, cuda_time(decode, repeats=3)
 
 
-def stage_peaks(decoder: torch.nn.Module, decode) -> list[tuple[str, float, float]]:
-    """(layer, peak GiB above its start, output GiB) for the decoder's leaf-level layers in one whole decode."""
-    layers = [(name, module) for name, module in decoder.named_modules()
-              if name and not any(True for _ in module.children())]
+# The decoder's parts in the order its forward calls them, none inside another: between them runs only the final
+# nonlinearity, so their windows cover the decode (the attention and upsampling calls too, which leaf layers miss).
+STAGES = re.compile(r"(conv_in|norm_out|conv_out|mid\.\w+|up\.\d+\.(block\.\d+|attn\.\d+|upsample))")
+
+
+def stage_peaks(decoder: torch.nn.Module, decode) -> list[tuple[str, float, float, float]]:
+    """(stage, peak GiB above its start, peak GiB above the decode's start, output GiB) for one whole decode."""
+    torch.cuda.synchronize()
+    decode_start = torch.cuda.memory_allocated()
     starts: dict[str, int] = {}
-    peaks: list[tuple[str, float, float]] = []
+    peaks: list[tuple[str, float, float, float]] = []
 
     def before(name):
         def hook(module, inputs):
@@ -54,11 +61,13 @@ def stage_peaks(decoder: torch.nn.Module, decode) -> list[tuple[str, float, floa
     def after(name):
         def hook(module, inputs, output):
             torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
             size = output.numel() * output.element_size() if isinstance(output, torch.Tensor) else 0
-            peaks.append((name, (torch.cuda.max_memory_allocated() - starts[name]) / GIB, size / GIB))
+            peaks.append((name, (peak - starts[name]) / GIB, (peak - decode_start) / GIB, size / GIB))
         return hook
 
-    handles = [h for name, module in layers for h in (module.register_forward_pre_hook(before(name)),
+    stages = [(name, module) for name, module in decoder.named_modules() if STAGES.fullmatch(name)]
+    handles = [h for name, module in stages for h in (module.register_forward_pre_hook(before(name)),
                                                      module.register_forward_hook(after(name)))]
     try:
         decode()
@@ -92,10 +101,11 @@ def main() -> None:
                            rel_diff=float((tiled.float() - whole.float()).norm() / whole.float().norm())))
     if options.stages:
         peaks = stage_peaks(vae.first_stage_model.decoder, partial(vae.decode, latent))
-        rows["stages"] = [dict(layer=n, peak_gib=round(p, 3), output_gib=round(o, 3)) for n, p, o in peaks]
-        print("largest layer peaks (GiB above the layer's start; its output's size):")
-        for name, peak, out in sorted(peaks, key=lambda row: -row[1])[:3]:
-            print(f"  {name}: {peak:.2f} (output {out:.2f})")
+        rows["stages"] = [dict(stage=n, peak_gib=round(p, 3), above_decode_start_gib=round(d, 3),
+                               output_gib=round(o, 3)) for n, p, d, o in peaks]
+        print("largest stage peaks (GiB above the stage's start / above the decode's start; its output's size):")
+        for name, peak, whole_peak, out in sorted(peaks, key=lambda row: -row[1])[:3]:
+            print(f"  {name}: {peak:.2f} / {whole_peak:.2f} (output {out:.2f})")
     comfy.model_management.unload_all_models()
     print(json.dumps(rows, indent=1))
     print(f"\n{machine()}, VAE in {vae.vae_dtype}; ComfyUI's estimate for the decode: {estimate:.2f} GiB\n")
