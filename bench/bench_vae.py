@@ -77,6 +77,7 @@ def stage_peaks(decoder: torch.nn.Module, decode) -> list[tuple[str, float, floa
     return peaks
 
 
+@torch.inference_mode()  # as ComfyUI's executor runs every node: no autograd graph keeps activations
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", action="store_true", help="the whole decode's peak per decoder layer")

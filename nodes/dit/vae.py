@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import comfy.model_management
 import comfy.sd
 import torch
 
@@ -18,18 +17,6 @@ from ..model_files import builds_weights, read_safetensors
 # The VAE's batch-norm epsilon as trained and as diffusers applies it; ComfyUI's Flux.2 VAE assumes 1e-4,
 # which shifts every decoded latent channel whose running variance is small.
 TRAINED_BN_EPS = 1e-5
-# GPU memory a whole decode allocates beyond the weights, per latent pixel and byte of the VAE's dtype: 11.4 GiB for
-# a 1024² image in bf16 on the H200 (bench/RESULTS.md). Core's estimate for this VAE is 4.25 GiB, so on a 24 GB card
-# ComfyUI kept the other models loaded, the decode ran out of memory and was retried tiled (0.65 s, not 0.14 s).
-DECODE_BYTES_PER_LATENT_PIXEL = 11.4 * 2**30 / (64 * 64 * 2)
-
-
-def decode_memory(shape: tuple[int, ...], dtype: torch.dtype) -> float:
-    """Bytes the whole decode of one image of latents ``[B, C, H, W]`` needs (ComfyUI frees room for it, then
-    decodes as many images at once as fit)."""
-    return DECODE_BYTES_PER_LATENT_PIXEL * shape[2] * shape[3] * comfy.model_management.dtype_size(dtype)
-
-
 @builds_weights
 def make_vae(state_dict: dict[str, torch.Tensor], source: str) -> comfy.sd.VAE:
     """A core ``VAE`` from the Flux.2 VAE weights (diffusers or ComfyUI keys), with the trained BN epsilon."""
@@ -40,7 +27,8 @@ def make_vae(state_dict: dict[str, torch.Tensor], source: str) -> comfy.sd.VAE:
             "Use the vae/ of an ERNIE-Image snapshot or flux2-vae.safetensors."
         )
     vae.first_stage_model.bn_eps = TRAINED_BN_EPS
-    vae.memory_used_decode = decode_memory
+    # Core's estimate of the decode's memory stays: 4.25 GiB at 1024² in bf16, where the decode takes 1.07 GiB on
+    # an H200 under inference mode (bench/RESULTS.md, 2026-12-01 session 9).
     return vae
 
 
