@@ -43,7 +43,12 @@ class ErnieImageConfig(comfy.supported_models_base.BASE):
     latent_format = comfy.latent_formats.Flux2  # 128 channels at H/16 x W/16, BN-normalised, as diffusers'
     sampling_settings = {"shift": DEFAULT_SHIFT, "multiplier": 1000}
     supported_inference_dtypes = [torch.bfloat16, torch.float32]
-    memory_usage_factor = 2.8  # activation memory per latent pixel, like core's Flux (same width class)
+    # Activation memory per latent pixel, in core's formula. ComfyUI batches cond and uncond only where 1.5x this
+    # estimate is free. Core's Flux value (2.8) said 0.45 GiB for a CFG step at 1024², where the DiT peaked at
+    # up to 0.73 GiB above its loaded weights (H200, emulated 16 GB card); beside a partly loaded DiT ComfyUI batched
+    # them and, with Cache-DiT's stores on top, ran out of memory. With 6.0 (0.96 GiB) it runs them apart there, and
+    # the run completes (bench/RESULTS.md, 2026-12-01 session 9).
+    memory_usage_factor = 6.0
 
 
 class ErnieTextCond(comfy.conds.CONDRegular):
