@@ -80,7 +80,7 @@ def stage_peaks(decoder: torch.nn.Module, decode) -> list[tuple[str, float, floa
 @torch.inference_mode()  # as ComfyUI's executor runs every node: no autograd graph keeps activations
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stages", action="store_true", help="the whole decode's peak per decoder layer")
+    parser.add_argument("--stages", action="store_true", help="the whole decode's peak per decoder stage")
     options = parser.parse_args()
     use_comfyui()
     import comfy.model_management

@@ -10,7 +10,7 @@ wrappers (the pattern of core's EasyCache node):
 - ``APPLY_MODEL`` (around each model call, cache only): selects the cache context for the call's
   ``cond_or_uncond`` at the step that the call's sigma belongs to;
 - ``PREPARE_SAMPLING`` (around ComfyUI's loading for a run, cache only): adds what cache-dit keeps across steps
-  to the memory ComfyUI frees for sampling, so a small card loads that much less of the DiT.
+  to the memory ComfyUI frees for sampling (where that exceeds ComfyUI's own floor for it, 1.2 GiB).
 
 A graph without the node has neither wrapper, so a bypassed or deleted node leaves nothing behind. No state
 lives outside the clone's options and the run's own objects.
