@@ -7,10 +7,12 @@ each output's relative error against diffusers' forward on an fp32 copy of the w
 ComfyUI's native model (``comfy/ldm/ernie/model.py``, ComfyUI >= 0.19) is public source that stays out of this
 repository: pass a copy with ``--native PATH`` (it imports ``comfy.ldm.modules.attention``, which 0.3.75 has).
 
+Each forward is timed once the GPU has run it back to back for 3 s (its clock settled, as in a sampling loop).
 ``--profile`` adds, per implementation and way of running, where one forward's GPU time goes: matrix products,
-attention and the rest (norms, modulation, RoPE, casts), and the costliest kernels; and the SM clock and power draw
-while each is timed, beside the rate of the blocks' largest matrix product alone, run once after a pause and back to
-back (whether the GPU clocks down under dense work, which the compiled blocks are).
+attention and the rest (norms, modulation, RoPE, casts), the costliest kernels and where the GPU sat idle between
+kernels; the SM clock, power draw and NVML's reasons for any clock below maximum while each is timed; and the rate
+of the blocks' largest matrix product alone, run once after a pause and back to back (whether the GPU clocks down
+under dense work).
 
     python bench/bench_native_dit.py [--native .gpu/native_ernie.py] [--profile] [--tiny --device cpu]
 """
@@ -48,10 +50,17 @@ def native_dit(path: Path, reference: torch.nn.Module, config: dict) -> torch.nn
     return model.eval()
 
 
-def time_ms(call, device: torch.device, repeats: int = 5, readings: dict | None = None) -> float:
+def time_ms(call, device: torch.device, repeats: int = 20, readings: dict | None = None,
+            settle_s: float = 3.0) -> float:
+    """Median ms of ``call`` once the GPU has run it back to back for ``settle_s``: its clock ramps up from idle
+    (after a compile, say) over about a second, and a sampling loop of many steps runs at the settled clock."""
     call()  # warm-up (and compile) at the timed shapes
     if device.type != "cuda":
         return float("nan")
+    start = time.perf_counter()
+    while time.perf_counter() - start < settle_s:
+        call()
+        torch.cuda.synchronize()
     with gpu_clock(readings) if readings is not None else nullcontext():  # a sampling thread only where asked
         return 1000 * cuda_time(call, repeats=repeats)
 
@@ -96,11 +105,34 @@ def kernel_profile(call, device: torch.device, top: int = 12) -> dict:
         kinds[next((kind for kind, pattern in KINDS.items() if pattern.search(name)), "other")] += ms
     events.sort(key=lambda e: -e[1])
     return dict(kinds_ms={k: round(v, 2) for k, v in kinds.items()},
-                top=[dict(kernel=name[:120], ms=round(ms, 2), calls=count) for name, ms, count in events[:top]])
+                top=[dict(kernel=name[:120], ms=round(ms, 2), calls=count) for name, ms, count in events[:top]],
+                **(idle_gaps(trace.events()) if cuda else {}))
+
+
+def idle_gaps(events, top: int = 6, least_us: float = 20.0) -> dict:
+    """Where the GPU sat idle within one traced call: the total of the gaps of at least ``least_us`` between
+    one kernel's end and the next one's start, and the ``top`` longest, each with when it began (ms after the first
+    kernel) and the kernel that ended it."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    gaps, busy_until = [], kernels[0].time_range.end
+    for kernel in kernels[1:]:
+        if kernel.time_range.start - busy_until >= least_us:
+            gaps.append((kernel.time_range.start - busy_until, busy_until - kernels[0].time_range.start,
+                         kernel.name))
+        busy_until = max(busy_until, kernel.time_range.end)
+    gaps.sort(key=lambda g: -g[0])
+    return dict(span_ms=round((busy_until - kernels[0].time_range.start) / 1000, 2),
+                idle_ms=round(sum(g[0] for g in gaps) / 1000, 2),
+                gaps=[dict(ms=round(us / 1000, 3), at_ms=round(at / 1000, 2), before=name[:80])
+                      for us, at, name in gaps[:top]])
 
 
 def _print_profile(label: str, profile: dict) -> None:
     print(f"  {label}: " + ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in profile["kinds_ms"].items()))
+    if "gaps" in profile:
+        print(f"    GPU idle {profile['idle_ms']} ms of a {profile['span_ms']} ms span; longest gaps {profile['gaps']}")
     for kernel in profile["top"]:
         print(f"    {kernel['ms']:8.2f} ms  {kernel['calls']:5d}x  {kernel['kernel']}")
 

@@ -87,16 +87,42 @@ def machine() -> str:
     return f"{name}, torch {torch.__version__}, {os.cpu_count()} CPUs"
 
 
+# NVML's reasons for holding the clocks below their maximum (``nvmlClocksEventReason*`` bits).
+CLOCK_EVENTS = {0x1: "idle", 0x2: "application clocks", 0x4: "power cap (software)", 0x8: "hardware slowdown",
+                0x10: "sync boost", 0x20: "thermal (software)", 0x40: "thermal (hardware)",
+                0x80: "power brake (hardware)", 0x100: "display clocks"}
+
+
+def _clock_events_reader():
+    """A function returning NVML's current clock-event bits for the current CUDA device, or None without NVML."""
+    try:
+        import pynvml
+
+        handle = torch.cuda._get_pynvml_handler()  # the NVML handle of torch's current device (private API)
+        read = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        read(handle)
+    except Exception:  # no NVML, or a driver without the query: no reasons recorded
+        return None
+    return lambda: read(handle)
+
+
 @contextmanager
 def gpu_clock(readings: dict, period_s: float = 0.01):
-    """Samples the GPU's SM clock (MHz) and power draw (W) while the block runs (NVML, through torch); on leaving,
-    ``readings`` holds their means (``sm_mhz``, ``watts``), or nothing where NVML is missing."""
+    """Samples the GPU's SM clock (MHz), power draw (W) and NVML's clock-event reasons while the block runs; on
+    leaving, ``readings`` holds the means (``sm_mhz``, ``watts``) and every reason seen (``clock_events``), or
+    nothing where NVML is missing."""
     samples: list[tuple[int, float]] = []
+    events = 0
     done = threading.Event()
+    read_events = _clock_events_reader()
 
     def poll() -> None:
+        nonlocal events
         while not done.wait(period_s):
             samples.append((torch.cuda.clock_rate(), torch.cuda.power_draw() / 1000))
+            if read_events is not None:
+                events |= read_events()
 
     try:
         torch.cuda.clock_rate()
@@ -112,4 +138,5 @@ def gpu_clock(readings: dict, period_s: float = 0.01):
         thread.join()
         if samples:
             readings.update(sm_mhz=round(sum(s[0] for s in samples) / len(samples)),
+                            clock_events=[name for bit, name in CLOCK_EVENTS.items() if events & bit],
                             watts=round(sum(s[1] for s in samples) / len(samples)))
