@@ -53,7 +53,7 @@ def native_dit(path: Path, reference: torch.nn.Module, config: dict) -> torch.nn
 def time_ms(call, device: torch.device, repeats: int = 20, readings: dict | None = None,
             settle_s: float = 3.0) -> float:
     """Median ms of ``call`` once the GPU has run it back to back for ``settle_s``: its clock ramps up from idle
-    (after a compile, say) over about a second, and a sampling loop of many steps runs at the settled clock."""
+    (after a compile, say), and a sampling loop of many steps runs at the settled clock."""
     call()  # warm-up (and compile) at the timed shapes
     if device.type != "cuda":
         return float("nan")
