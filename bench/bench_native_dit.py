@@ -109,7 +109,7 @@ def kernel_profile(call, device: torch.device, top: int = 12) -> dict:
                 **(idle_gaps(trace.events()) if cuda else {}))
 
 
-def idle_gaps(events, top: int = 6, least_us: float = 20.0) -> dict:
+def idle_gaps(events: list, top: int = 6, least_us: float = 20.0) -> dict:
     """Where the GPU sat idle within one traced call: the total of the gaps of at least ``least_us`` between
     one kernel's end and the next one's start, and the ``top`` longest, each with when it began (ms after the first
     kernel) and the kernel that ended it."""

@@ -6,6 +6,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -93,7 +94,7 @@ CLOCK_EVENTS = {0x1: "idle", 0x2: "application clocks", 0x4: "power cap (softwar
                 0x80: "power brake (hardware)", 0x100: "display clocks"}
 
 
-def _clock_events_reader():
+def _clock_events_reader() -> Callable[[], int] | None:
     """A function returning NVML's current clock-event bits for the current CUDA device, or None without NVML."""
     try:
         import pynvml
