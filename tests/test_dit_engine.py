@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from comfyui_ernie_image.nodes.dit.schedule import reference_sigmas, snapshot_sh
 from comfyui_ernie_image.nodes.dit.weights import config_from_state_dict
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.model_files import read_safetensors
-from helpers.files import snapshot_with_truncated_file
+from helpers.files import linked_copy, replace_bytes, snapshot_with_truncated_file
 
 
 def test_single_file_config_is_the_snapshot_config(tiny_models):
@@ -74,9 +73,8 @@ def test_truncated_config_is_named(tiny_models, tmp_path, config):
 
 
 def test_a_config_that_is_not_a_json_object_is_named(tiny_models, tmp_path):
-    snapshot = tmp_path / "snapshot"
-    shutil.copytree(tiny_models["snapshot"], snapshot)
-    (snapshot / "scheduler" / "scheduler_config.json").write_text("[4.0]")
+    snapshot = linked_copy(tiny_models["snapshot"], tmp_path / "snapshot")
+    replace_bytes(snapshot / "scheduler" / "scheduler_config.json", b"[4.0]")
     with pytest.raises(ErnieImageError, match=r"scheduler_config\.json \(a JSON list, not an object\)\. The file is "
                                               r"damaged or incomplete"):
         snapshot_shift(snapshot)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from helpers.files import linked_copy
 from helpers.workflows import text_to_image
 
 SNAPSHOT = "ERNIE-Image-Turbo-tiny"
@@ -56,7 +57,7 @@ def test_truncated_safetensors_names_the_file(comfy_server, tiny_models):
 def test_file_of_another_architecture_is_refused(comfy_server, tiny_models):
     vae = tiny_models["snapshot"] / "vae" / "diffusion_pytorch_model.safetensors"
     wrong = tiny_models["models_dir"] / "diffusion_models" / "flux2-vae.safetensors"
-    shutil.copy(vae, wrong)
+    linked_copy(vae, wrong)
     message = _execution_error(comfy_server, _dit_graph(wrong.name))
     assert "flux2-vae.safetensors is not an ERNIE-Image diffusion model" in message
     assert "looks like a VAE" in message
@@ -65,7 +66,7 @@ def test_file_of_another_architecture_is_refused(comfy_server, tiny_models):
 
 def test_snapshot_without_transformer_says_so(comfy_server, tiny_models):
     broken = tiny_models["models_dir"] / "diffusers" / "ERNIE-Image-no-transformer"
-    shutil.copytree(tiny_models["snapshot"], broken, ignore=shutil.ignore_patterns("transformer"))
+    linked_copy(tiny_models["snapshot"], broken, ignore=shutil.ignore_patterns("transformer"))
     graph = text_to_image(snapshot=broken.name, prompt="a cat", steps=1)
     message = _execution_error(comfy_server, graph)
     assert "ERNIE-Image-no-transformer has no transformer/ folder" in message
