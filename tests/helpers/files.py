@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -18,7 +19,7 @@ def _link_or_copy(source: str, destination: str) -> None:
         shutil.copy2(source, destination)
 
 
-def linked_copy(source: Path, destination: Path, ignore=None) -> Path:
+def linked_copy(source: Path, destination: Path, ignore: Callable | None = None) -> Path:
     """A copy of the folder or file ``source`` at ``destination`` that writes no bytes: change its files only
     through ``replace_bytes``."""
     if source.is_dir():
