@@ -105,8 +105,8 @@ def torchao_refusal(state: dict, config: dict, lora_path: Path, device: torch.de
     from comfyui_ernie_image.nodes.dit.build import build_diffusion_model
     from comfyui_ernie_image.nodes.dit.model import make_model_patcher
     from comfyui_ernie_image.nodes.errors import ErnieImageError
+    from comfyui_ernie_image.nodes.host.memory import usable_memory
     from comfyui_ernie_image.nodes.lora.patching import apply_lora
-    from comfyui_ernie_image.nodes.managed import usable_memory
 
     dit = build_diffusion_model(state, config, torch.bfloat16)
     note = "quantized fp8_per_row by the loader's path"

@@ -73,7 +73,7 @@ def measure_eager(variant: str, inputs: dict, reference: torch.Tensor | None) ->
     """Quantize as the loader does, then weight memory, eager time and error; also returns the output."""
     from comfyui_ernie_image.nodes.accel.quantize import quantization_device
     from comfyui_ernie_image.nodes.dit.model import make_model_patcher
-    from comfyui_ernie_image.nodes.managed import usable_memory
+    from comfyui_ernie_image.nodes.host.memory import usable_memory
 
     model = seeded_dit().to("cpu")  # where the loader has the weights after reading them
     free()
@@ -145,7 +145,7 @@ def measure_run(variant: str) -> dict:
     from comfyui_ernie_image.nodes.dit.model import make_model_patcher
     from comfyui_ernie_image.nodes.dit.schedule import reference_sigmas
     from comfyui_ernie_image.nodes.dit.vae import make_vae
-    from comfyui_ernie_image.nodes.managed import usable_memory
+    from comfyui_ernie_image.nodes.host.memory import usable_memory
     from comfyui_ernie_image.nodes.text.encoder import ErnieTextEncoder
     from comfyui_ernie_image.nodes.text.managed import ManagedTextEncoder
 

@@ -62,11 +62,13 @@ class ComfyServer:
 
     ``pack_dir`` is installed as ``custom_nodes/<pack_name>`` (a link); ``ui`` serves the real frontend
     (the ``comfyui-frontend-package``), otherwise a placeholder page; ``python`` is the interpreter that runs
-    ComfyUI (another environment's, e.g. a fresh install's), by default this one.
+    ComfyUI (another environment's, e.g. a fresh install's), by default this one; ``env`` is added to its
+    environment and ``extra_args`` to its command line.
     """
 
     def __init__(self, comfy_dir: Path, base_dir: Path, pack_dir: Path, models_dir: Path, cpu: bool = True,
-                 ui: bool = False, pack_name: str = "comfyui-ernie-image", python: str | Path = sys.executable):
+                 ui: bool = False, pack_name: str = "comfyui-ernie-image", python: str | Path = sys.executable,
+                 env: dict[str, str] | None = None, extra_args: tuple[str, ...] = ()):
         self.comfy_dir = comfy_dir
         self.base_dir = base_dir
         self.port = free_port()
@@ -92,13 +94,14 @@ class ComfyServer:
         self.args = [
             str(python), "main.py", *(["--cpu"] if cpu else []), "--listen", "127.0.0.1", "--port", str(self.port),
             "--disable-auto-launch", "--disable-api-nodes", "--verbose", "DEBUG", *frontend_args,
-            "--base-directory", str(base_dir), "--extra-model-paths-config", str(paths),
+            "--base-directory", str(base_dir), "--extra-model-paths-config", str(paths), *extra_args,
         ]
+        self.env = env or {}
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout: float = 180.0) -> None:
         self._log = open(self.log_path, "w")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the log is read while the server runs
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}  # the log is read while the server runs
         self.process = subprocess.Popen(self.args, cwd=self.comfy_dir, stdout=self._log, stderr=subprocess.STDOUT,
                                         env=env)
         wait_until_serving(self.process, f"{self.url}/object_info/ErnieImageLoader", timeout, self.log)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from comfyui_ernie_image.nodes.dit.weights import config_from_state_dict
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.model_files import read_safetensors
 from helpers.files import linked_copy, replace_bytes, snapshot_with_truncated_file
+from helpers.quant_files import scaled_fp8
 
 
 def test_single_file_config_is_the_snapshot_config(tiny_models):
@@ -133,8 +133,9 @@ def test_core_simple_schedule_equals_reference_when_steps_divide_1000(steps):
 
 
 def _block_linear_dtypes(model) -> set[torch.dtype]:
+    """The dtypes of the blocks' linear weights (core's mixed-precision Linear is no ``torch.nn.Linear``)."""
     return {m.weight.dtype for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and n.startswith("layers.")}
+            if n.startswith("layers.") and getattr(m, "weight", None) is not None and m.weight.ndim == 2}
 
 
 def _prediction(model) -> torch.Tensor:
@@ -171,23 +172,10 @@ def test_an_fp8_weight_dtype_stores_the_blocks_in_fp8(tiny_models):
     assert model.x_embedder.proj.weight.dtype == torch.float32  # the rest computes as it is
 
 
-def _scaled_fp8(source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The community's scaled fp8 layout: each block linear weight as fp8 of weight / scale, its fp32
-    ``scale_weight`` beside it (scaled to fp8's range), and the ``scaled_fp8`` marker."""
-    scaled = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
-    for k, v in source.items():
-        if k.startswith("layers.") and v.ndim == 2:
-            scale = v.abs().max().float() / 448.0
-            scaled[k], scaled[k[: -len("weight")] + "scale_weight"] = (v / scale).to(torch.float8_e4m3fn), scale
-        else:
-            scaled[k] = v
-    return scaled
-
-
 def test_a_scaled_fp8_file_stays_fp8_and_predicts_like_its_source(tiny_models, tmp_path):
     source = read_safetensors(tiny_models["single_file"])
     scaled_file = tmp_path / "ernie-image-turbo-fp8-scaled.safetensors"
-    save_file(_scaled_fp8(source), scaled_file)
+    save_file(scaled_fp8(source), scaled_file)
     full, scaled = load_dit(tiny_models["single_file"], torch.float32), load_dit(scaled_file, torch.float32)
     assert _block_linear_dtypes(scaled) == {torch.float8_e4m3fn}
     expected, ours = _prediction(full), _prediction(scaled)
@@ -198,19 +186,20 @@ def test_a_scaled_fp8_file_stays_fp8_and_predicts_like_its_source(tiny_models, t
     torch.testing.assert_close(_prediction(upcast), ours, rtol=1e-4, atol=1e-5)
 
 
-def test_a_comfyui_without_scaled_fp8_layers_holds_a_scaled_file_as_computed_and_says_so(tiny_models, tmp_path,
-                                                                                           monkeypatch, caplog):
+def test_a_comfyui_without_scaled_fp8_layers_holds_a_scaled_file_in_fp8_with_its_mixed_precision_layers(
+        tiny_models, tmp_path, monkeypatch):
+    """Current cores removed ``scaled_fp8_ops`` (comfy/ops.py @0271a469) and read scaled fp8 files as comfy_quant
+    float8_e4m3fn layers (comfy/utils.py @09708eae ``convert_old_quants``): the 0.3.75 core, driven so, keeps the
+    weights in fp8 through ``mixed_precision_ops`` and predicts as with the scaled layers."""
     import comfy.ops
 
     scaled_file = tmp_path / "ernie-image-turbo-fp8-scaled.safetensors"
-    save_file(_scaled_fp8(read_safetensors(tiny_models["single_file"])), scaled_file)
+    save_file(scaled_fp8(read_safetensors(tiny_models["single_file"])), scaled_file)
     with_layers = _prediction(load_dit(scaled_file, torch.float32))
     monkeypatch.delattr(comfy.ops, "scaled_fp8_ops")
-    with caplog.at_level(logging.WARNING):
-        model = load_dit(scaled_file, torch.float32)
-    assert [r.getMessage() for r in caplog.records] == [
-        "ERNIE-Image: this ComfyUI has no scaled fp8 layers; the scaled fp8 DiT is held in torch.float32"]
-    assert _block_linear_dtypes(model) == {torch.float32}
+    model = load_dit(scaled_file, torch.float32)
+    assert _block_linear_dtypes(model) == {torch.float8_e4m3fn}
+    assert model.quant_formats == {"float8_e4m3fn"}  # held by core's mixed-precision layers
     torch.testing.assert_close(_prediction(model), with_layers, rtol=1e-4, atol=1e-5)
 
 

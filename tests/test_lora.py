@@ -86,7 +86,7 @@ def test_a_foreign_lora_is_counted_and_named(tiny_models, plain_latent):
 
 
 def test_a_quantized_dit_refuses_loras_with_what_to_do(tiny_models):
-    from comfyui_ernie_image.nodes.managed import WholeModelPatcher
+    from comfyui_ernie_image.nodes.host.patchers import WholeModelPatcher
 
     model = tiny_patcher(tiny_models["snapshot"])
     quantized = WholeModelPatcher(model.model, load_device=model.load_device, offload_device=model.offload_device)

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from comfyui_ernie_image.nodes.errors import ErnieImageError
-from comfyui_ernie_image.nodes.managed import ManagedModule, WholeModelPatcher
+from comfyui_ernie_image.nodes.host.patchers import ManagedModule, WholeModelPatcher
 from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
 from comfyui_ernie_image.nodes.pe.decode import StaticDecoder
 from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer

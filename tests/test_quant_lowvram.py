@@ -17,7 +17,8 @@ from torch.testing._internal.two_tensor import TwoTensor
 from comfyui_ernie_image.nodes.accel.quantize import quantization_device
 from comfyui_ernie_image.nodes.dit.build import build_diffusion_model
 from comfyui_ernie_image.nodes.dit.model import make_model_patcher
-from comfyui_ernie_image.nodes.managed import WholeModelPatcher, place, usable_memory
+from comfyui_ernie_image.nodes.host.memory import usable_memory
+from comfyui_ernie_image.nodes.host.patchers import WholeModelPatcher, place
 from comfyui_ernie_image.nodes.text.managed import ManagedTextEncoder
 from tiny_models import TINY_DIT
 
@@ -117,7 +118,7 @@ class DeviceMoves(TorchFunctionMode):
 
 def test_the_dit_moves_outside_inference_mode():
     """ComfyUI loads and unloads models inside inference mode, where torchao's quantized weights cannot change device
-    (``nodes/managed.py``): the DiT's moves run outside it."""
+    (``nodes/host/patchers.py``): the DiT's moves run outside it."""
     patcher = make_model_patcher(tiny_dit(), whole=True)
     moves = DeviceMoves()
     with torch.inference_mode(), moves:

@@ -154,13 +154,17 @@ class RegionalCompile:
         self._previous: list = []
         self._switches_set: list[tuple[torch.nn.Module, str, object]] = []
 
-    def install(self) -> None:
+    def install(self) -> int:
+        """Compile the blocks whose weights are on the device; how many those are."""
         self._previous = [vars(block).get("_compiled_call_impl") for block in self.blocks]
         compiled = _compiled_block_call(self.mode)
+        count = 0
         for block in self.blocks:
             if not streams_weights(block, self.device):
                 self._pin_switches(block)
                 block._compiled_call_impl = functools.partial(_call_with_dynamic_sequence, compiled, block)
+                count += 1
+        return count
 
     def _pin_switches(self, block: torch.nn.Module) -> None:
         """Every layer holds its switches as instance attributes for the run, so that blocks alike in what they

@@ -21,15 +21,21 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import sys
 from dataclasses import dataclass
 
-import comfy.model_management
-import comfy.model_patcher
-import comfy.patcher_extension
 import torch
 
 from ..errors import ErnieImageError
+from ..host.memory import dtype_size
+from ..host.patchers import can_demote, is_dynamic
+from ..host.sampling import (
+    APPLY_MODEL,
+    PREPARE_SAMPLING,
+    SAMPLER_SAMPLE,
+    memory_estimate_plus,
+    set_wrapper,
+    show_on_node,
+)
 from .cache import CacheRun, check_block_count, step_index, stored_streams
 from .cache_presets import CacheSettings
 from .compile import RegionalCompile, compile_problem, compile_settings, compiles_by_default
@@ -38,9 +44,6 @@ log = logging.getLogger(__name__)
 CACHE_KEY, COMPILE_KEY = "ernie_image_cache_dit", "ernie_image_compile"
 RUN_KEY = "ernie_image_cache_dit_run"
 OFF = "off"  # the compile node's mode that turns compilation off
-SAMPLER_SAMPLE = comfy.patcher_extension.WrappersMP.SAMPLER_SAMPLE
-APPLY_MODEL = comfy.patcher_extension.WrappersMP.APPLY_MODEL
-PREPARE_SAMPLING = comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ class CacheJob:
     node_id: str | None  # where the summary is shown in the UI
 
 
-def dit_blocks(model: comfy.model_patcher.ModelPatcher) -> tuple[torch.nn.Module, str]:
+def dit_blocks(model) -> tuple[torch.nn.Module, str]:
     """The module that holds the DiT's repeated blocks, and the attribute they are in: ``diffusion_model.layers``,
     for this pack's MODEL and for ComfyUI's native ERNIE-Image alike."""
     diffusion_model = getattr(model.model, "diffusion_model", None)
@@ -62,14 +65,6 @@ def dit_blocks(model: comfy.model_patcher.ModelPatcher) -> tuple[torch.nn.Module
         f"This MODEL ({type(model.model).__name__}) is not an ERNIE-Image DiT: its diffusion model has no "
         "'layers' block list. Connect the MODEL of an ERNIE-Image loader (or ComfyUI's native ERNIE-Image)."
     )
-
-
-def show_on_node(node_id: str | None, text: str) -> None:
-    """Show ``text`` on the node in the ComfyUI frontend (when a ComfyUI server runs this process)."""
-    server = sys.modules.get("server")  # ComfyUI's server module; absent when the core runs without a server
-    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
-    if instance is not None and node_id is not None:
-        instance.send_progress_text(text, node_id, sid=instance.client_id)  # the client that queued the prompt
 
 
 def _cache_sampler_sample(executor, *args, **kwargs):
@@ -100,31 +95,28 @@ def _cache_apply_model(executor, *args, **kwargs):
     return executor(*args, **kwargs)
 
 
-def _cache_prepare_sampling(executor, model, noise_shape, conds, model_options=None):
+def _cache_prepare_sampling(executor, model, noise_shape, conds, *args, **kwargs):
     # ComfyUI frees room for sampling by the model's memory_required, which knows nothing of cache-dit's stores
     # (0.33 GiB for a CFG step at 1024² with TaylorSeer 1). For this load only, they count: ComfyUI's cond batching
-    # reads the estimate again at every step, when the stores already hold their memory.
-    job: CacheJob = model_options["transformer_options"][CACHE_KEY]
+    # reads the estimate again at every step, when the stores already hold their memory. Core's own arguments
+    # (model_options=, and force_full_load= / force_offload= since v0.6.0) pass through as they came.
+    options = kwargs.get("model_options") if "model_options" in kwargs else (args[0] if args else None)
+    job: CacheJob = options["transformer_options"][CACHE_KEY]
     base = model.model
     holder, _ = dit_blocks(model)
     embedder = holder.x_embedder.proj  # the pack's DiT and ComfyUI's native one: a patch_size conv to the width
     text = max((c["cross_attn"].shape[1] for cs in conds.values() for c in cs if "cross_attn" in c), default=0)
-    dtype = base.manual_cast_dtype or base.get_dtype()
-    estimate = base.memory_required
+    element = dtype_size(base.manual_cast_dtype or base.get_dtype())
 
-    def with_cache_stores(input_shape, cond_shapes={}):
+    def cache_stores(input_shape) -> int:
         tokens = math.prod(input_shape[2:]) // math.prod(embedder.kernel_size) + text
-        stores = stored_streams(job.settings) * input_shape[0] * tokens * embedder.out_channels
-        return estimate(input_shape, cond_shapes) + stores * comfy.model_management.dtype_size(dtype)
+        return stored_streams(job.settings) * input_shape[0] * tokens * embedder.out_channels * element
 
-    base.memory_required = with_cache_stores
-    try:
-        return executor(model, noise_shape, conds, model_options=model_options)
-    finally:
-        del base.memory_required  # the class's own again
+    with memory_estimate_plus(base, cache_stores):
+        return executor(model, noise_shape, conds, *args, **kwargs)
 
 
-def apply_cache(model: comfy.model_patcher.ModelPatcher, job: CacheJob) -> comfy.model_patcher.ModelPatcher:
+def apply_cache(model, job: CacheJob):
     """A clone of ``model`` that samples with Cache-DiT (a later cache node in a chain replaces an earlier one)."""
     holder, blocks_name = dit_blocks(model)
     check_block_count(job.settings, len(getattr(holder, blocks_name)))
@@ -133,23 +125,38 @@ def apply_cache(model: comfy.model_patcher.ModelPatcher, job: CacheJob) -> comfy
     wrappers = ((SAMPLER_SAMPLE, _cache_sampler_sample), (APPLY_MODEL, _cache_apply_model),
                 (PREPARE_SAMPLING, _cache_prepare_sampling))
     for wrapper_type, wrapper in wrappers:
-        model.remove_wrappers_with_key(wrapper_type, CACHE_KEY)
-        model.add_wrapper_with_key(wrapper_type, CACHE_KEY, wrapper)
+        set_wrapper(model, wrapper_type, CACHE_KEY, wrapper)
     return model
 
 
 def _compile_sampler_sample(executor, *args, **kwargs):
     guider, extra_args = args[0], args[2]
-    holder, blocks_name = dit_blocks(guider.model_patcher)
+    patcher = guider.model_patcher
+    holder, blocks_name = dit_blocks(patcher)
+    blocks = getattr(holder, blocks_name)
     mode = extra_args["model_options"]["transformer_options"][COMPILE_KEY]
-    regional = RegionalCompile(getattr(holder, blocks_name), mode, torch.device(guider.model_patcher.load_device))
+    regional = RegionalCompile(blocks, mode, torch.device(patcher.load_device))
     _announce_compile()
     try:
-        regional.install()
+        compiled = 0 if is_dynamic(patcher) else regional.install()
+        _say_compiled(compiled, len(blocks), is_dynamic(patcher))
         with compile_settings():
             return executor(*args, **kwargs)
     finally:
         regional.remove()
+
+
+def _say_compiled(compiled: int, blocks: int, dynamic: bool) -> None:
+    if dynamic:
+        why = ("ComfyUI's dynamic VRAM streams this MODEL's weights layer by layer. An ERNIE-Image Compile node "
+               "before the sampler gives it a copy ComfyUI keeps on the GPU (as ComfyUI's own compile node does), "
+               "or start ComfyUI with --disable-dynamic-vram")
+    elif compiled < blocks:
+        why = "the others' weights stream from the CPU (ComfyUI loaded the DiT in part) and run eager"
+    else:
+        why = ""
+    log.log(logging.WARNING if dynamic else logging.INFO, "ERNIE-Image: compiled %d of %d DiT blocks%s", compiled,
+            blocks, f": {why}" if why else "")
 
 
 @functools.cache  # once per process
@@ -158,29 +165,32 @@ def _announce_compile() -> None:
              "an ERNIE-Image Compile node with mode 'off' turns compilation off")
 
 
-def _set_compile(model: comfy.model_patcher.ModelPatcher, mode: str) -> None:
-    model.remove_wrappers_with_key(SAMPLER_SAMPLE, COMPILE_KEY)
+def _set_compile(model, mode: str) -> None:
     options = model.model_options.setdefault("transformer_options", {})
     if mode == OFF:
         options.pop(COMPILE_KEY, None)
     else:
         options[COMPILE_KEY] = mode
-        model.add_wrapper_with_key(SAMPLER_SAMPLE, COMPILE_KEY, _compile_sampler_sample)
+    set_wrapper(model, SAMPLER_SAMPLE, COMPILE_KEY, None if mode == OFF else _compile_sampler_sample)
 
 
-def apply_compile(model: comfy.model_patcher.ModelPatcher, mode: str) -> comfy.model_patcher.ModelPatcher:
+def apply_compile(model, mode: str):
     """A clone of ``model`` whose blocks are compiled for each sampling run in ``mode`` (``off``: not compiled,
-    also where the loader compiles by default); a clear error where compile cannot run on the model's device."""
+    also where the loader compiles by default); a clear error where compile cannot run on the model's device.
+
+    A MODEL that ComfyUI streams with dynamic VRAM is demoted first, as core's own compile node does
+    (``clone(disable_dynamic=True)``: core loads the model again for a patcher that keeps it on the GPU)."""
     dit_blocks(model)
     problem = None if mode == OFF else compile_problem(torch.device(model.load_device))
     if problem is not None:
         raise ErnieImageError(problem)
-    model = model.clone()
+    demote = mode != OFF and can_demote(model)
+    model = model.clone(disable_dynamic=True) if demote else model.clone()
     _set_compile(model, mode)
     return model
 
 
-def compile_by_default(model: comfy.model_patcher.ModelPatcher) -> comfy.model_patcher.ModelPatcher:
+def compile_by_default(model):
     """The pack's default fast path: a freshly loaded ``model`` (changed in place) compiles its blocks for each run
     where ``compiles_by_default`` says it is safe; elsewhere it stays eager."""
     if compiles_by_default(torch.device(model.load_device)):

@@ -1,11 +1,12 @@
-"""Build the pack's DiT from the tensors the loader read, in the dtypes asked (ComfyUI adapter: ``comfy.ops``).
+"""Build the pack's DiT from the tensors the loader read, in the dtypes asked, with ComfyUI's own layers.
 
-Three ways to hold the weights, all with ComfyUI's own layers:
-- as computed (bf16 on recent GPUs, fp32 on the CPU): ``comfy.ops.disable_weight_init``;
+Ways to hold the weights (``host/ops.py`` picks core's layers for each, on the running core):
+- as computed (bf16 on recent GPUs, fp32 on the CPU);
 - fp8 storage (``weight_dtype`` fp8_*, or a file whose block weights are fp8): the block linear layers keep fp8
-  weights and cast them to the compute dtype as each layer runs (``comfy.ops.manual_cast``); half of bf16's memory;
-- scaled fp8 files (a per-tensor ``scale_weight`` beside each fp8 weight, the community's ``*_fp8_scaled`` files):
-  ComfyUI's ``scaled_fp8_ops``, which multiply the scale in at run time, so the weights stay fp8 too.
+  weights and cast them to the compute dtype as each layer runs; half of bf16's memory;
+- quantized files (``quant_layout.py``: the community's scaled fp8, ComfyUI's comfy_quant layouts): the weights
+  stay in their format, held by core's quantized layers. Asked for another dtype (bf16, fp32, or a quantization
+  method that starts from plain weights), fp8 layers are unpacked with their scales instead.
 
 Everything else (embeddings, norms, the shared modulation, the final layers: 2 % of the DiT) is held as computed.
 """
@@ -15,63 +16,63 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import comfy.ops
 import torch
 
 from ..errors import ErnieImageError
+from ..host import ops
 from ..model_files import builds_weights
+from ..quant_layout import FP8_FORMATS, QuantLayers, fold_quantization, header_metadata, split_quantization
 from .model import ErnieImageDiffusionModel
 from .weights import read_dit
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE = ".scale_weight"
-_SCALED_MARKERS = ("scaled_fp8",)  # an empty tensor whose dtype names the fp8 format; nothing to load
 
 
-def _split_scales(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The weights, and the per-tensor scales by layer name (``layers.0.mlp.up_proj``)."""
-    scales = {k[: -len(SCALE)]: v for k, v in state_dict.items() if k.endswith(SCALE)}
-    weights = {k: v for k, v in state_dict.items()
-               if not k.endswith((SCALE, ".scale_input")) and k not in _SCALED_MARKERS}
-    return weights, scales
-
-
-def _fold_scales(weights: dict[str, torch.Tensor], scales: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
-    """Weights times their scales, in ``dtype``: a scaled fp8 file as plain weights (to quantize, or to upcast)."""
-    return {k: (v.float() * scales[k[: -len(".weight")]].float()).to(dtype) if k[: -len(".weight")] in scales
-            else v for k, v in weights.items()}
-
-
-def _operations(storage: torch.dtype, dtype: torch.dtype, scaled: bool):
-    if scaled:
-        return comfy.ops.scaled_fp8_ops()
-    return comfy.ops.manual_cast if storage != dtype else comfy.ops.disable_weight_init
+def _operations(weights: dict[str, torch.Tensor], quantized: QuantLayers, storage: torch.dtype,
+                dtype: torch.dtype, load_device: torch.device | None):
+    """Core's layers for these weights, the weights in the form those layers load, and the formats core's
+    mixed-precision layers hold."""
+    if not quantized.layers:
+        return ops.plain_operations(storage, dtype), weights, frozenset()
+    if quantized.scaled_fp8 and ops.has_scaled_fp8_layers() and quantized.formats <= set(FP8_FORMATS):
+        return *ops.scaled_fp8_operations(weights, quantized), frozenset()
+    operations, tensors = ops.mixed_operations(weights, quantized, dtype, load_device)
+    logging.info("ERNIE-Image: %d DiT layers stay in %s, held by ComfyUI's mixed-precision layers",
+                 len(quantized.layers), ", ".join(sorted(quantized.formats)))
+    return operations, tensors, frozenset(quantized.formats)
 
 
 @builds_weights
 def build_diffusion_model(state_dict: dict[str, torch.Tensor], config: dict, dtype: torch.dtype,
-                          storage: torch.dtype | None = None) -> ErnieImageDiffusionModel:
+                          storage: torch.dtype | None = None, metadata: dict[str, str] | None = None,
+                          load_device: torch.device | None = None) -> ErnieImageDiffusionModel:
     """The DiT with ``config``'s architecture holding ``state_dict``'s weights, computing in ``dtype``.
 
-    ``storage``: the block linear layers' weights' dtype; None keeps an fp8 file's fp8, else ``dtype``."""
-    weights, scales = _split_scales(state_dict)
+    ``storage``: the block linear layers' weights' dtype; None keeps an fp8 or quantized file's format, else
+    ``dtype``. ``metadata``: the file's safetensors header metadata (0.3.75's quantization layout lives there).
+    ``load_device``: where ComfyUI will run it (core leaves out quantized formats its GPU has no kernels for)."""
+    weights, quantized = split_quantization(state_dict, metadata)
     if storage is None:
         storage = next((v.dtype for k, v in weights.items() if k.startswith("layers.") and v.dtype in FP8_DTYPES),
                        dtype)
-    if scales and (storage not in FP8_DTYPES or not hasattr(comfy.ops, "scaled_fp8_ops")):
-        if storage in FP8_DTYPES:  # a ComfyUI without scaled fp8 layers: held as computed
-            logging.warning("ERNIE-Image: this ComfyUI has no scaled fp8 layers; the scaled fp8 DiT is held in %s",
-                            dtype)
-            storage = dtype
-        weights, scales = _fold_scales(weights, scales, dtype), {}
+    elif quantized.layers and storage not in FP8_DTYPES:
+        weights, quantized = fold_quantization(weights, quantized, dtype), QuantLayers()
+    operations, tensors, mixed_formats = _operations(weights, quantized, storage, dtype, load_device)
     with torch.device("meta"):
-        model = ErnieImageDiffusionModel(**config, dtype=storage, operations=_operations(storage, dtype, bool(scales)))
+        model = ErnieImageDiffusionModel(**config, dtype=storage, operations=operations)
     block_linear = {f"{name}.weight" for name, module in model.named_modules()
                     if isinstance(module, torch.nn.Linear) and name.startswith("layers.")}
-    tensors = {k: v.to(storage if k in block_linear else dtype) for k, v in weights.items()}
-    tensors.update({name + SCALE: scale.float() for name, scale in scales.items()})
+
+    def cast(key: str, value: torch.Tensor) -> torch.Tensor:
+        layer, name = key.rsplit(".", 1)
+        if not value.is_floating_point() or (layer in quantized.layers and name != "bias"):
+            return value  # a quantized weight and its scales stay in their formats
+        return value.to(storage if key in block_linear else dtype)
+
+    tensors = {k: cast(k, v) for k, v in tensors.items()}
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
-    missing = [k for k in missing if not k.endswith(SCALE)]  # a layer the file holds no scale for: scale 1 below
+    missing = [k for k in missing if not k.endswith(SCALE)]  # a scaled layer the file holds no scale for: 1 below
     if missing or unexpected:
         raise ErnieImageError(
             f"These weights do not match the ERNIE-Image architecture (missing {missing[:3]}, unexpected "
@@ -81,9 +82,12 @@ def build_diffusion_model(state_dict: dict[str, torch.Tensor], config: dict, dty
         if isinstance(getattr(module, "scale_weight", None), torch.Tensor) and module.scale_weight.is_meta:
             module.scale_weight = torch.nn.Parameter(torch.ones(()), requires_grad=False)
     model.dtype = storage  # what ComfyUI reads as the model's weight dtype
+    model.quant_formats = mixed_formats  # the quantized formats core's layers hold (none: plain or scaled fp8)
     return model.eval()
 
 
-def load_dit(path: Path, dtype: torch.dtype, storage: torch.dtype | None = None) -> ErnieImageDiffusionModel:
+def load_dit(path: Path, dtype: torch.dtype, storage: torch.dtype | None = None,
+             load_device: torch.device | None = None) -> ErnieImageDiffusionModel:
     """The DiT from a snapshot folder, its ``transformer/`` folder or a single file."""
-    return build_diffusion_model(*read_dit(path), dtype, storage)
+    folder = path / "transformer" if (path / "transformer").is_dir() else path
+    return build_diffusion_model(*read_dit(path), dtype, storage, header_metadata(folder), load_device)

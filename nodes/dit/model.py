@@ -13,17 +13,12 @@ what the forward needs (masked padding, image RoPE positions start after the tru
 
 from __future__ import annotations
 
-import comfy.conds
-import comfy.latent_formats
-import comfy.model_base
-import comfy.model_management
-import comfy.model_patcher
-import comfy.patcher_extension
-import comfy.supported_models_base
 import torch
 
 from ..errors import ErnieImageError
-from ..managed import WholeModelPatcher, out_of_memory, place
+from ..host.model import FLOW, BaseModel, CONDConstant, CONDRegular, Flux2LatentFormat, SupportedModel, model_patcher
+from ..host.patchers import WholeModelPatcher, dit_patcher_class, out_of_memory
+from ..host.sampling import run_diffusion_model
 from .dit import ErnieImageDiT
 from .schedule import DEFAULT_SHIFT
 
@@ -35,12 +30,12 @@ SAMPLING_ADVICE = (
 )
 
 
-class ErnieImageConfig(comfy.supported_models_base.BASE):
+class ErnieImageConfig(SupportedModel):
     """What ComfyUI needs to know about the model besides its weights."""
 
     unet_config = {"disable_unet_model_creation": True}  # the loader builds the DiT (build.py)
     unet_extra_config = {}
-    latent_format = comfy.latent_formats.Flux2  # 128 channels at H/16 x W/16, BN-normalised, as diffusers'
+    latent_format = Flux2LatentFormat  # 128 channels at H/16 x W/16, BN-normalised, as diffusers'
     sampling_settings = {"shift": DEFAULT_SHIFT, "multiplier": 1000}
     supported_inference_dtypes = [torch.bfloat16, torch.float32]
     # Activation memory per latent pixel, in core's formula. ComfyUI batches cond and uncond only where 1.5x this
@@ -51,20 +46,20 @@ class ErnieImageConfig(comfy.supported_models_base.BASE):
     memory_usage_factor = 6.0
 
 
-class ErnieTextCond(comfy.conds.CONDRegular):
+class ErnieTextCond(CONDRegular):
     """Text embeddings ``[B, T, D]`` that batch with other lengths by zero padding (masked via ``text_lens``)."""
 
-    def can_concat(self, other: comfy.conds.CONDRegular) -> bool:
+    def can_concat(self, other: CONDRegular) -> bool:
         a, b = self.cond.shape, other.cond.shape
         return a[0] == b[0] and a[2] == b[2] and self.cond.device == other.cond.device
 
-    def concat(self, others: list[comfy.conds.CONDRegular]) -> torch.Tensor:
+    def concat(self, others: list[CONDRegular]) -> torch.Tensor:
         conds = [self.cond] + [o.cond for o in others]
         longest = max(c.shape[1] for c in conds)
         return torch.cat([torch.nn.functional.pad(c, (0, 0, 0, longest - c.shape[1])) for c in conds])
 
 
-class ErnieTextLengths(comfy.conds.CONDConstant):
+class ErnieTextLengths(CONDConstant):
     """Each prompt's true text length as a list of host integers, batched by concatenation. On the host, so the
     forward can tell without a GPU round trip whether the batch has padding to mask."""
 
@@ -75,10 +70,10 @@ class ErnieTextLengths(comfy.conds.CONDConstant):
         repeats = -(-batch_size // len(self.cond))  # as comfy.utils.repeat_to_batch_size does for tensors
         return ErnieTextLengths((self.cond * repeats)[:batch_size])
 
-    def can_concat(self, other: comfy.conds.CONDConstant) -> bool:
+    def can_concat(self, other: CONDConstant) -> bool:
         return True
 
-    def concat(self, others: list[comfy.conds.CONDConstant]) -> list[int]:
+    def concat(self, others: list[CONDConstant]) -> list[int]:
         return [n for c in [self, *others] for n in c.cond]
 
     def size(self) -> list[int]:
@@ -91,13 +86,8 @@ class ErnieImageDiffusionModel(ErnieImageDiT):
 
     def forward(self, x, timestep, context, text_lens, transformer_options={}, **kwargs):
         try:
-            return comfy.patcher_extension.WrapperExecutor.new_class_executor(
-                self._forward,
-                self,
-                comfy.patcher_extension.get_all_wrappers(
-                    comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, transformer_options
-                ),
-            ).execute(x, timestep, context, text_lens, transformer_options, **kwargs)
+            return run_diffusion_model(self._forward, self, transformer_options, x, timestep, context, text_lens,
+                                       transformer_options, **kwargs)
         except torch.OutOfMemoryError as error:
             raise out_of_memory(error, SAMPLING_ADVICE) from error
 
@@ -110,12 +100,17 @@ class ErnieImageDiffusionModel(ErnieImageDiT):
         return super().forward(x, timestep, context, text_lens)
 
 
-class ErnieImageModel(comfy.model_base.BaseModel):
-    """A ComfyUI ``BaseModel`` (flow prediction, Flux.2 latents) around the pack's ERNIE-Image DiT."""
+class ErnieImageModel(BaseModel):
+    """A ComfyUI ``BaseModel`` (flow prediction, Flux.2 latents) around the pack's ERNIE-Image DiT; also a core
+    ``ErnieImage`` where the core has one (``host.model.on_core_ernie_base``)."""
 
     def __init__(self, model_config: ErnieImageConfig, diffusion_model: ErnieImageDiffusionModel, device=None):
-        super().__init__(model_config, comfy.model_base.ModelType.FLOW, device=device)
+        super().__init__(model_config, FLOW, device=device)
         self.diffusion_model = diffusion_model
+
+    def apply_model(self, *args, **kwargs):
+        _refuse_replaced_forwards(self.diffusion_model)
+        return super().apply_model(*args, **kwargs)
 
     def extra_conds(self, **kwargs) -> dict:
         cross_attn = kwargs.get("cross_attn")
@@ -133,19 +128,35 @@ class ErnieImageModel(comfy.model_base.BaseModel):
         return {"c_crossattn": ErnieTextCond(cross_attn), "text_lens": ErnieTextLengths(lengths)}
 
 
+def _refuse_replaced_forwards(dit: ErnieImageDiffusionModel) -> None:
+    """Packs for ComfyUI's native ERNIE-Image recognise the pack's model as one (``model_base.ErnieImage``) and
+    may swap its forwards for their own, written for the native model's modules: raylight's sequence parallelism
+    replaces the DiT's ``forward`` and ``_forward`` and each block's ``self_attention.forward``
+    (raylight src/raylight/distributed_modules/usp.py @03e199f4), which would fail on the pack's DiT deep inside
+    (it has no ``pos_embed``) or sample without the text mask. Refused in words instead."""
+    replaced = ["_forward"] * ("_forward" in vars(dit))  # not ``forward``: cache-dit swaps it for each run
+    first = vars(getattr(dit.layers[0], "self_attention", None) or torch.nn.Module())  # each block alike
+    replaced += ["layers.N.self_attention.forward"] * ("forward" in first)
+    if replaced:
+        raise ErnieImageError(
+            f"Another node pack replaced the ERNIE-Image DiT's {', '.join(replaced)} (raylight's multi-GPU "
+            "parallelism does so), which the pack's DiT does not support: it samples like diffusers with its own "
+            "forward. Use that pack with ComfyUI's native ERNIE-Image loaders, or run this model without it."
+        )
+
+
 def make_model_patcher(diffusion_model: ErnieImageDiffusionModel, shift: float = DEFAULT_SHIFT,
-                       whole: bool = False) -> comfy.model_patcher.ModelPatcher:
+                       whole: bool = False, resident: bool = False):
     """A ComfyUI MODEL around ``diffusion_model``, placed, offloaded and freed by ComfyUI's model management.
 
-    ComfyUI's own ``ModelPatcher``: its layers are ``comfy.ops`` layers, so a card too small for the whole DiT
-    loads part of it and casts the rest per layer. ``whole``: quantized (torchao, SVDQuant) weights, which core's
-    partial loading neither moves nor casts, so the model is loaded whole (``managed.WholeModelPatcher``)."""
+    Core's own patcher: the DiT's layers are ``comfy.ops`` layers, so a card too small for it loads part of it
+    and casts the rest per layer (or, under dynamic VRAM, streams every layer unless ``resident``: see
+    ``host.patchers.dit_patcher_class``). ``whole``: quantized (torchao, SVDQuant) weights, which core's partial
+    loading neither moves nor casts, so the model is loaded whole (``WholeModelPatcher``)."""
     config = ErnieImageConfig(ErnieImageConfig.unet_config)
     config.sampling_settings["shift"] = shift
     compute = next(p.dtype for n, p in diffusion_model.named_parameters() if n.startswith("x_embedder"))
     config.set_inference_dtype(diffusion_model.dtype, compute if compute != diffusion_model.dtype else None)
-    load_device = comfy.model_management.get_torch_device()
-    offload_device = comfy.model_management.unet_offload_device()
-    model = ErnieImageModel(config, place(diffusion_model, offload_device), device=offload_device)
-    patcher = WholeModelPatcher if whole else comfy.model_patcher.ModelPatcher
-    return patcher(model, load_device=load_device, offload_device=offload_device)
+    subclass_weights = bool(getattr(diffusion_model, "quant_formats", None))  # core's QuantizedTensor weights
+    patcher = WholeModelPatcher if whole else dit_patcher_class(resident, subclass_weights)
+    return model_patcher(ErnieImageModel, config, diffusion_model, patcher)

@@ -6,17 +6,17 @@ import functools
 import logging
 from pathlib import Path
 
-import comfy.cli_args
-import comfy.model_management
 import folder_paths
 import torch
 from comfy_api.v0_0_2 import io
 
 from ..accel.capability import METHODS
+from ..accel.compile import compiles_by_default
 from ..accel.patching import compile_by_default
 from ..accel.quantize import load_quantized_dit
 from ..errors import ErnieImageError
-from ..managed import usable_memory
+from ..host.memory import capacity, compute_dtype, core_unet_dtype, torch_device, usable_memory
+from ..host.patchers import module_bytes
 from ..paths import (
     SNAPSHOT_PREFIX,
     check_choice,
@@ -28,7 +28,7 @@ from ..paths import (
 from ..pe.local import LocalPromptEnhancer
 from ..pe.nodes import ErniePEType
 from ..text.managed import ManagedTextEncoder
-from ..text.nodes import ErnieTextEncoderType
+from ..text.nodes import ErnieTextEncoderType, text_encoder_device_input
 from .build import load_dit
 from .model import make_model_patcher
 from .schedule import DEFAULT_SHIFT, reference_sigmas, snapshot_shift
@@ -39,13 +39,7 @@ WEIGHT_DTYPES = {"default": None, "bf16": torch.bfloat16, "fp32": torch.float32,
 RUNNABLE_DTYPES = [torch.bfloat16, torch.float32]  # what the pack's DiT computes in
 STORAGE_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]  # what it may keep its block weights in, cast per layer
 QUANTIZATION_METHODS = list(METHODS)
-UNET_DTYPE_FLAGS = ("fp32_unet", "fp64_unet", "bf16_unet", "fp16_unet", "fp8_e4m3fn_unet", "fp8_e5m2_unet",
-                    "fp8_e8m0fnu_unet")  # ComfyUI's flags that fix the diffusion model's weight dtype
-
-
-def _compute_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if comfy.model_management.should_use_bf16(device) else torch.float32
-
+RESIDENT_MARGIN = 1.1  # core sizes a model's load at 1.1x its weights
 
 def _weight_dtypes(choice: str) -> tuple[torch.dtype, torch.dtype | None]:
     """The DiT's compute dtype and its block weights' dtype (None: an fp8 file's own fp8, else the compute dtype).
@@ -54,17 +48,17 @@ def _weight_dtypes(choice: str) -> tuple[torch.dtype, torch.dtype | None]:
     fp8. ComfyUI's global unet dtype flags (``--fp8_e4m3fn-unet``, ``--bf16-unet``, ...) make its pick a dtype
     whatever the model or file: an fp8 one becomes the storage; one the pack's DiT cannot run falls back to bf16
     (fp32 where bf16 is unsupported), said once."""
-    device = comfy.model_management.get_torch_device()
+    device = torch_device()
     asked = WEIGHT_DTYPES[choice]
     if asked is None:
-        asked = comfy.model_management.unet_dtype(device, supported_dtypes=RUNNABLE_DTYPES)
+        asked, forced = core_unet_dtype(device, RUNNABLE_DTYPES)
         if asked not in RUNNABLE_DTYPES + STORAGE_DTYPES:
-            _say_dtype_fallback(asked, _compute_dtype(device))
-            return _compute_dtype(device), None
-        if not any(getattr(comfy.cli_args.args, flag) for flag in UNET_DTYPE_FLAGS):
+            _say_dtype_fallback(asked, compute_dtype(device))
+            return compute_dtype(device), None
+        if not forced:
             return asked, None
     if asked in STORAGE_DTYPES:
-        return _compute_dtype(device), asked
+        return compute_dtype(device), asked
     return asked, asked
 
 
@@ -76,27 +70,37 @@ def _say_dtype_fallback(asked: torch.dtype, used: torch.dtype) -> None:
         asked, used)
 
 
-def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float):
-    """The DiT at ``path`` as a MODEL, quantized at load when asked (a method that cannot run here fails first)."""
+def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, disable_dynamic: bool = False):
+    """The DiT at ``path`` as a MODEL, quantized at load when asked (a method that cannot run here fails first).
+
+    ``disable_dynamic``: on core's classic patcher also where the core streams models with dynamic VRAM (core's
+    compile node asks so through ``cached_patcher_init`` when it demotes a model to compile it)."""
     dtype, storage = _weight_dtypes(weight_dtype)
     quantized = bool(METHODS[quantization].backend)
     if quantized and storage not in (None, dtype):
         raise ErnieImageError(f"weight_dtype {weight_dtype} and quantization {quantization} are two ways of storing "
                               "the DiT's weights: pick one (set the other to default / none).")
+    device = torch_device()
     dit = load_quantized_dit(
         # A quantization method starts from the compute dtype's weights, also when the file holds fp8 ones.
-        lambda: load_dit(path, dtype, dtype if quantized else storage),
+        lambda: load_dit(path, dtype, dtype if quantized else storage, load_device=device),
         quantization,
         source=path,
         dtype=dtype,
-        device=comfy.model_management.get_torch_device(),
+        device=device,
         free_memory=usable_memory,
         cache_root=Path(folder_paths.models_dir) / "ernie_quantized",  # where SVDQuant DiTs are saved
     )
-    patcher = make_model_patcher(dit, shift, whole=quantized)
-    if quantization.startswith("svdq"):
-        return patcher  # cache-dit's W4A4 kernels under torch.compile are unverified (no GPU here runs them)
-    return compile_by_default(patcher)
+    # cache-dit's W4A4 kernels and core's mixed-precision layers under torch.compile are unverified (no GPU here
+    # runs the first; the second has not run on one): those stay eager unless ErnieImageCompile asks.
+    compiles = (compiles_by_default(device) and not quantization.startswith("svdq")
+                and not getattr(dit, "quant_formats", None))
+    # Compiled blocks need their weights on the GPU: where the whole DiT fits there, core's classic patcher keeps
+    # it so (as core's compile node demotes a dynamic model); elsewhere core's own choice streams it.
+    resident = disable_dynamic or (compiles and module_bytes(dit) * RESIDENT_MARGIN <= capacity(device))
+    patcher = make_model_patcher(dit, shift, whole=quantized, resident=resident)
+    patcher.cached_patcher_init = (_load_model, (path, weight_dtype, quantization, shift))
+    return compile_by_default(patcher) if compiles else patcher
 
 
 def _weight_inputs() -> list:
@@ -126,6 +130,7 @@ class ErnieImageLoader(io.ComfyNode):
                 io.Combo.Input("model_name", options=snapshot_names(),
                                tooltip="A snapshot folder under models/diffusers (baidu/ERNIE-Image(-Turbo))."),
                 *_weight_inputs(),
+                text_encoder_device_input("text_encoder_device"),
             ],
             outputs=[
                 io.Model.Output(),
@@ -140,12 +145,13 @@ class ErnieImageLoader(io.ComfyNode):
         return check_choice(model_name, snapshot_names(), "diffusers")
 
     @classmethod
-    def execute(cls, model_name: str, weight_dtype: str = "default", quantization: str = "none") -> io.NodeOutput:
+    def execute(cls, model_name: str, weight_dtype: str = "default", quantization: str = "none",
+                text_encoder_device: str = "default") -> io.NodeOutput:
         snapshot = snapshot_path(model_name)
         model = _load_model(snapshot, weight_dtype, quantization, snapshot_shift(snapshot))
         return io.NodeOutput(
             model,
-            ManagedTextEncoder.from_snapshot(snapshot),
+            ManagedTextEncoder.from_snapshot(snapshot, text_encoder_device),
             load_snapshot_vae(snapshot),
             LocalPromptEnhancer.from_snapshot(snapshot),
         )

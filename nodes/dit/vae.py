@@ -8,19 +8,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import comfy.sd
 import torch
 
 from ..errors import ErnieImageError
+from ..host.vae import core_vae
 from ..model_files import builds_weights, read_safetensors
 
 # The VAE's batch-norm epsilon as trained and as diffusers applies it; ComfyUI's Flux.2 VAE assumes 1e-4,
 # which shifts every decoded latent channel whose running variance is small.
 TRAINED_BN_EPS = 1e-5
 @builds_weights
-def make_vae(state_dict: dict[str, torch.Tensor], source: str) -> comfy.sd.VAE:
+def make_vae(state_dict: dict[str, torch.Tensor], source: str):
     """A core ``VAE`` from the Flux.2 VAE weights (diffusers or ComfyUI keys), with the trained BN epsilon."""
-    vae = comfy.sd.VAE(sd=state_dict)
+    vae = core_vae(state_dict)
     if getattr(vae.first_stage_model, "bn", None) is None:
         raise ErnieImageError(
             f"{source} is not the Flux.2 VAE that ERNIE-Image uses (no batch-norm latent statistics). "
@@ -32,11 +32,11 @@ def make_vae(state_dict: dict[str, torch.Tensor], source: str) -> comfy.sd.VAE:
     return vae
 
 
-def load_vae(path: Path) -> comfy.sd.VAE:
+def load_vae(path: Path):
     return make_vae(read_safetensors(path), str(path))
 
 
-def load_snapshot_vae(snapshot: Path) -> comfy.sd.VAE:
+def load_snapshot_vae(snapshot: Path):
     path = snapshot / "vae" / "diffusion_pytorch_model.safetensors"
     if not path.is_file():
         raise ErnieImageError(

@@ -6,7 +6,7 @@ import logging
 
 from comfy_api.v0_0_2 import io
 
-from ..accel.patching import show_on_node
+from ..host.sampling import show_on_node
 from ..model_files import read_safetensors
 from ..paths import check_choice, model_file_path, safetensors_names
 from .patching import apply_lora

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import comfy.lora
-import comfy.lora_convert
-import comfy.model_patcher
 import torch
 
 from ..accel.patching import dit_blocks
+from ..host.lora import convert_lora, lora_patches
 from .keys import is_text_encoder, key_map, layer_names, made_for
 
 
@@ -44,14 +42,13 @@ class LoraReport:
         return words
 
 
-def apply_lora(model: comfy.model_patcher.ModelPatcher, lora: dict[str, torch.Tensor], strength: float,
-               name: str) -> tuple[comfy.model_patcher.ModelPatcher, LoraReport]:
+def apply_lora(model, lora: dict[str, torch.Tensor], strength: float, name: str) -> tuple[object, LoraReport]:
     """A clone of ``model`` with ``lora`` patched in at ``strength``, and what was applied. A quantized DiT refuses
-    the patches (``managed.WholeModelPatcher.add_patches``)."""
+    the patches (``host.patchers.WholeModelPatcher.add_patches``)."""
     diffusion_model, _ = dit_blocks(model)  # a clear error for a MODEL that is not an ERNIE-Image DiT
-    lora = comfy.lora_convert.convert_lora(lora)
+    lora = convert_lora(lora)
     mapping = key_map([k for k, _ in diffusion_model.named_parameters()])
-    patches = comfy.lora.load_lora(lora, mapping, log_missing=False)
+    patches = lora_patches(lora, mapping)
     names = layer_names(list(lora))
     text_encoder = {n for n in names if is_text_encoder(n)}
     unmatched = {n for n in names - text_encoder if n not in mapping}

@@ -6,12 +6,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import comfy.model_management as mm
-import comfy.utils
 import torch
-from comfy.patcher_extension import CallbacksMP
 
-from ..managed import ManagedModule, WholeModelPatcher, usable_memory
+from ..host.memory import load_whole, text_devices, torch_device, usable_memory
+from ..host.patchers import ManagedModule, WholeModelPatcher, on_detach
+from ..host.sampling import Interrupted, interrupted, progress_bar, raise_if_interrupted
 from .runtime import Runtime
 
 
@@ -22,22 +21,18 @@ class PromptEnhancerModule(ManagedModule):
 class ComfyRuntime(Runtime):
     """ComfyUI's devices, model management, interrupt flag and progress bar."""
 
-    interrupts = (mm.InterruptProcessingException,)
+    interrupts = (Interrupted,)
 
     def device(self, name: str) -> torch.device:
-        return mm.get_torch_device() if name == "default" else torch.device(name)
+        return torch_device() if name == "default" else torch.device(name)
 
     def manage(
         self, model: torch.nn.Module, device: torch.device, on_unload: Callable[[], None]
     ) -> Callable[[int], None]:
-        offload = mm.text_encoder_offload_device()
+        offload = text_devices()[1]
         patcher = WholeModelPatcher(PromptEnhancerModule(model, offload), load_device=device, offload_device=offload)
-        patcher.add_callback(CallbacksMP.ON_DETACH, lambda *args: on_unload())
-
-        def load(memory_required: int) -> None:
-            mm.load_models_gpu([patcher], memory_required=memory_required, force_full_load=True)
-
-        return load
+        on_detach(patcher, on_unload)
+        return lambda memory_required: load_whole(patcher, memory_required)
 
     def free_memory(self, device: torch.device) -> int | None:
         """What ComfyUI counts as free on ``device`` (its driver view plus torch's cached blocks; the CPU's available
@@ -45,14 +40,14 @@ class ComfyRuntime(Runtime):
         return usable_memory(device)
 
     def should_stop(self) -> bool:
-        return mm.processing_interrupted()
+        return interrupted()
 
     def on_stopped(self) -> None:
-        mm.throw_exception_if_processing_interrupted()
+        raise_if_interrupted()
 
     def progress(self, total: int) -> Callable[[int], None]:
         """Token progress on the node, at most ten updates a second (each one is a websocket message)."""
-        bar = comfy.utils.ProgressBar(total)
+        bar = progress_bar(total)
         last = [0.0]
 
         def update(done: int) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..host.sizes import CacheSized
 from ..model_files import builds_weights, read_json
 from .batching import MAX_ROWS, PromptProgress, batch_rows, next_batch, row_bytes
 from .decode import StaticDecoder, generate_plain, kv_cache_bytes
@@ -35,7 +36,7 @@ def _compiler_available() -> bool:
     return has_triton()
 
 
-class LocalPromptEnhancer:
+class LocalPromptEnhancer(CacheSized):
     """A lazy handle on local PE weights: nothing is read before the first ``enhance``.
 
     ``device``: ``"default"`` or a torch device name; ``dtype``: ``"auto"`` or a key of ``DTYPES``; ``decode``: one of
@@ -92,6 +93,10 @@ class LocalPromptEnhancer:
     @property
     def loaded(self) -> bool:
         return self._model is not None
+
+    def cache_tensors(self) -> list[torch.Tensor]:
+        """The weights, once loaded (the executor's cache sizes the handle by them)."""
+        return [] if self._model is None else [*self._model.parameters(), *self._model.buffers()]
 
     def __repr__(self) -> str:
         return f"LocalPromptEnhancer({self.source.weights}, device={self.device_name}, dtype={self.dtype_name})"

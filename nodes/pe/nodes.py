@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import folder_paths
-import torch
 from comfy_api.v0_0_2 import io, ui
 
+from ..host.memory import device_options
 from ..paths import check_choice
 from .cache import CACHE_MODES, ResultCache, enhance_cached
 from .local import DTYPES, LocalPromptEnhancer
@@ -27,8 +27,6 @@ from .remote import RemotePromptEnhancer
 from .runtime import default_runtime
 
 ErniePEType = io.Custom("ERNIE_PE")
-def _devices() -> list[str]:
-    return ["default", "cpu", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
 
 
 class ErnieImagePELoader(io.ComfyNode):
@@ -44,7 +42,7 @@ class ErnieImagePELoader(io.ComfyNode):
                 io.Combo.Input("model_name", options=pe_choices(),
                                tooltip="diffusers/<snapshot> (its pe/ and pe_tokenizer/), or a PE folder or "
                                "ernie-image-prompt-enhancer.safetensors under models/text_encoders."),
-                io.Combo.Input("device", options=_devices(), default="default",
+                io.Combo.Input("device", options=device_options(), default="default",
                                tooltip="default: ComfyUI's GPU. Another GPU keeps the PE beside the DiT."),
                 io.Combo.Input("dtype", options=["auto", *DTYPES], default="auto",
                                tooltip="auto: bf16 on GPUs that support it (fp16 otherwise), float32 on the CPU."),

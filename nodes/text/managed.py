@@ -4,32 +4,49 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import comfy.model_management
 import torch
 
-from ..managed import text_model_dtype, text_model_patcher
+from ..host.memory import (
+    intermediate_device,
+    load_whole,
+    text_devices,
+    text_model_dtype,
+    text_model_patcher,
+)
+from ..host.patchers import ManagedModule, place
+from ..host.sizes import CacheSized
 from .encoder import ErnieTextEncoder
 
 
-class ManagedTextEncoder:
-    """What flows through the ``ERNIE_TEXT_ENCODER`` socket: the encoder and the patcher that places it."""
+class TextEncoderModule(ManagedModule):
+    """The text encoder as ComfyUI's model management holds it (the class name shows in ComfyUI's log)."""
 
-    def __init__(self, encoder: ErnieTextEncoder):
+
+class ManagedTextEncoder(CacheSized):
+    """What flows through the ``ERNIE_TEXT_ENCODER`` socket: the encoder and the patcher that places it.
+
+    ``device``: ``default`` (where ComfyUI runs text encoders, or its offload device when that GPU cannot hold the
+    encoder at all), ``cpu`` or a GPU (``cuda:1``)."""
+
+    def __init__(self, encoder: ErnieTextEncoder, device: str = "default"):
         self.encoder = encoder
-        self.patcher = text_model_patcher(encoder.language_model)
+        load, offload = text_devices(device)
+        container = TextEncoderModule(place(encoder.language_model, offload), offload)
+        self.patcher = text_model_patcher(container, load, offload, "text encoder", chosen=device != "default")
 
     @classmethod
-    def from_snapshot(cls, snapshot: Path) -> ManagedTextEncoder:
-        dtype = text_model_dtype(comfy.model_management.text_encoder_device())
-        return cls(ErnieTextEncoder.from_snapshot(snapshot, dtype))
+    def from_snapshot(cls, snapshot: Path, device: str = "default") -> ManagedTextEncoder:
+        return cls(ErnieTextEncoder.from_snapshot(snapshot, text_model_dtype(text_devices(device)[0])), device)
 
     @classmethod
-    def from_single_file(cls, path: Path) -> ManagedTextEncoder:
-        dtype = text_model_dtype(comfy.model_management.text_encoder_device())
-        return cls(ErnieTextEncoder.from_single_file(path, dtype))
+    def from_single_file(cls, path: Path, device: str = "default") -> ManagedTextEncoder:
+        return cls(ErnieTextEncoder.from_single_file(path, text_model_dtype(text_devices(device)[0])), device)
+
+    def cache_tensors(self) -> list[torch.Tensor]:
+        return [*self.encoder.language_model.parameters(), *self.encoder.language_model.buffers()]
 
     def encode(self, text: str) -> torch.Tensor:
         """``[1, T, D]`` embeddings of ``text``, computed where ComfyUI places the text encoder."""
-        comfy.model_management.load_model_gpu(self.patcher)
+        load_whole(self.patcher)
         embedding = self.encoder.encode(text, self.patcher.load_device)
-        return embedding.unsqueeze(0).to(comfy.model_management.intermediate_device())
+        return embedding.unsqueeze(0).to(intermediate_device())

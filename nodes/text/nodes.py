@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
+from ..host.memory import device_options
 from ..paths import (
     TEXT_ENCODERS_PREFIX,
     check_choice,
@@ -29,6 +30,13 @@ def _text_encoder_choices() -> list[str]:
     return snapshot_names() + [TEXT_ENCODERS_PREFIX + n for n in files]
 
 
+def text_encoder_device_input(name: str) -> io.Combo.Input:
+    """The text encoder's device: optional, so that workflows saved before it load unchanged."""
+    return io.Combo.Input(name, options=device_options(), default="default", optional=True,
+                          tooltip="default: where ComfyUI runs text encoders (the CPU when that GPU cannot hold "
+                          "the encoder at all). cpu or another GPU keeps it off the DiT's card.")
+
+
 class ErnieImageTextEncoderLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -41,6 +49,7 @@ class ErnieImageTextEncoderLoader(io.ComfyNode):
             inputs=[
                 io.Combo.Input("model_name", options=_text_encoder_choices(),
                                tooltip="A snapshot folder under models/diffusers, or text_encoders/<file>."),
+                text_encoder_device_input("device"),
             ],
             outputs=[ErnieTextEncoderType.Output(display_name="TEXT_ENCODER")],
         )
@@ -50,11 +59,11 @@ class ErnieImageTextEncoderLoader(io.ComfyNode):
         return check_choice(model_name, _text_encoder_choices(), "diffusers or models/text_encoders")
 
     @classmethod
-    def execute(cls, model_name: str) -> io.NodeOutput:
+    def execute(cls, model_name: str, device: str = "default") -> io.NodeOutput:
         if model_name.startswith(TEXT_ENCODERS_PREFIX):
             path = model_file_path("text_encoders", model_name[len(TEXT_ENCODERS_PREFIX):])
-            return io.NodeOutput(ManagedTextEncoder.from_single_file(path))
-        return io.NodeOutput(ManagedTextEncoder.from_snapshot(snapshot_path(model_name)))
+            return io.NodeOutput(ManagedTextEncoder.from_single_file(path, device))
+        return io.NodeOutput(ManagedTextEncoder.from_snapshot(snapshot_path(model_name), device))
 
 
 class ErnieImageTextEncode(io.ComfyNode):

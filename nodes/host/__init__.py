@@ -1,0 +1,14 @@
+"""The host layer: every use of ComfyUI's internals, adapting to the running core by feature detection.
+
+The rest of the pack reaches ComfyUI only through these modules or through the V3 API (``comfy_api``) and
+``folder_paths``. What each module adapts (0.3.75 against current cores) is listed in ``docs/comfyui-compat.md``;
+versions are never parsed, only features looked up (``hasattr``, signatures).
+
+- ``patchers``: the ModelPatcher classes (core's dynamic one where the core has it, whole-model loading for foreign
+  modules), device moves outside inference mode, the out-of-memory wording;
+- ``memory``: free memory, dtypes and devices as ComfyUI counts and chooses them, the RAM-pressure cache's sizes;
+- ``sampling``: wrappers and the memory estimate around sampling runs, the node text, progress and interrupts;
+- ``ops``: which ``comfy.ops`` layers hold the DiT's weights, quantized file layouts included;
+- ``model``: the core base classes the DiT's MODEL is made of (``model_base.ErnieImage`` where it exists);
+- ``vae``, ``lora``: core's VAE and LoRA machinery.
+"""

@@ -1,0 +1,107 @@
+"""Devices, dtypes and memory as ComfyUI chooses and counts them, and the sizes its caches read.
+
+- Free memory: where the core has ``ModelPatcher.get_free_memory`` (current cores), it counts the VRAM that
+  idle dynamic-VRAM models hold as free, since core evicts them on demand; ``model_management.get_free_memory``
+  alone (0.3.75) does not know of them.
+- The text encoder's device: under dynamic VRAM core's ``text_encoder_device()`` is always the GPU, also with
+  ``--lowvram`` (its weights are meant to stream), but the pack's text encoder loads whole: where the card could
+  not hold it even with every other model unloaded, it runs on the offload device instead, and the log says so.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import comfy.cli_args
+import comfy.model_management as mm
+import torch
+
+from .patchers import ModelPatcher, WholeModelPatcher
+from .sizes import module_bytes
+
+# ComfyUI's flags that fix the diffusion model's weight dtype for every model.
+UNET_DTYPE_FLAGS = ("fp32_unet", "fp64_unet", "bf16_unet", "fp16_unet", "fp8_e4m3fn_unet", "fp8_e5m2_unet",
+                    "fp8_e8m0fnu_unet")
+TEXT_MARGIN = 1.1  # core sizes a load at 1.1x the model (model_management.load_models_gpu)
+
+
+def torch_device() -> torch.device:
+    """The device ComfyUI samples on."""
+    return mm.get_torch_device()
+
+
+def device_options() -> list[str]:
+    """A loader's ``device`` choices: ComfyUI's default, the CPU and each CUDA GPU."""
+    return ["default", "cpu", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+
+
+def usable_memory(device: torch.device) -> int:
+    """Memory a model may take on ``device`` now, as ComfyUI counts it: free memory (torch's cache and, under
+    dynamic VRAM, what idle models hold included) less ComfyUI's reserve (``--reserve-vram``)."""
+    try:
+        # Core's method reads only the device (model_patcher.py @53757775); the pack asks before any patcher exists.
+        free = ModelPatcher.get_free_memory(None, device)
+    except AttributeError:  # 0.3.75: no such method
+        free = mm.get_free_memory(device)
+    return max(int(free) - int(mm.extra_reserved_memory()), 0)
+
+
+def capacity(device: torch.device) -> int:
+    """What ``device`` can give one model with every other unloaded: its memory less core's inference minimum."""
+    return int(mm.get_total_memory(device)) - int(mm.minimum_inference_memory())
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """bf16 where ComfyUI would run a model in it on ``device``, float32 elsewhere."""
+    return torch.bfloat16 if mm.should_use_bf16(device) else torch.float32
+
+
+def core_unet_dtype(device: torch.device, supported: list[torch.dtype]) -> tuple[torch.dtype, bool]:
+    """ComfyUI's pick of a diffusion model's weight dtype, and whether a command-line flag forced it."""
+    forced = any(getattr(comfy.cli_args.args, flag, False) for flag in UNET_DTYPE_FLAGS)
+    return mm.unet_dtype(device, supported_dtypes=supported), forced
+
+
+def text_model_dtype(device: torch.device) -> torch.dtype:
+    """bf16 where the GPU runs it well (the released weights' dtype), float32 elsewhere (CPU, old GPUs)."""
+    if mm.is_device_cuda(device) and mm.should_use_bf16(device):
+        return torch.bfloat16
+    return torch.float32
+
+
+def text_devices(choice: str = "default") -> tuple[torch.device, torch.device]:
+    """The load and offload devices of a text model: ComfyUI's text-encoder devices for ``default``, else the
+    device named (``cpu``, ``cuda:1``)."""
+    offload = mm.text_encoder_offload_device()
+    if choice == "default":
+        return mm.text_encoder_device(), offload
+    device = torch.device(choice)
+    return device, offload if device.type != "cpu" else device
+
+
+def text_model_patcher(container: torch.nn.Module, load: torch.device, offload: torch.device,
+                       what: str, chosen: bool) -> WholeModelPatcher:
+    """A patcher that loads ``container`` whole on ``load`` on demand. Where the device was core's choice
+    (``chosen`` False) and it cannot hold the model with everything else unloaded, the model runs on ``offload``
+    instead, said once in the log."""
+    size = module_bytes(container)
+    if not chosen and load != offload and size * TEXT_MARGIN > capacity(load):
+        logging.warning("ERNIE-Image: the %s (%.1f GiB) does not fit on %s (%.1f GiB usable with nothing else "
+                        "loaded); it runs on %s. Its loader's device input picks another device.", what,
+                        size / 2**30, load, max(capacity(load), 0) / 2**30, offload)
+        load = offload
+    return WholeModelPatcher(container, load_device=load, offload_device=offload)
+
+
+def load_whole(patcher: ModelPatcher, memory_required: int = 0) -> None:
+    """Load ``patcher`` on its device with ``memory_required`` bytes beside it, making room as ComfyUI does."""
+    mm.load_models_gpu([patcher], memory_required=memory_required, force_full_load=True)
+
+
+def intermediate_device() -> torch.device:
+    """Where ComfyUI keeps what passes between nodes."""
+    return mm.intermediate_device()
+
+
+def dtype_size(dtype: torch.dtype) -> int:
+    return mm.dtype_size(dtype)

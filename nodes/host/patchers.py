@@ -1,0 +1,160 @@
+"""The ModelPatcher classes the pack's models are managed by, on every core.
+
+- The DiT in bf16, fp32, fp8 storage or core's quantized layouts is built from ``comfy.ops`` layers: core's own
+  patcher class manages it. On cores with dynamic VRAM (``comfy.model_patcher.CoreModelPatcher``, which current
+  cores' ``main.py`` makes ``ModelPatcherDynamic`` on NVIDIA GPUs) its weights stay in RAM and are cast to the GPU
+  per layer; elsewhere core's partial loading keeps part of them on the GPU. ``dit_patcher_class`` says which.
+- The text encoder, the Prompt Enhancer and a torchao/SVDQuant-quantized DiT are foreign modules (transformers',
+  torchao's, SVDQuant's layers) that core's partial and dynamic loading neither move nor cast, so they are loaded
+  whole or not at all (``WholeModelPatcher``): ComfyUI unloads other models to make room, and when it needs the
+  memory back, the model is unloaded whole.
+
+Models move between devices outside inference mode, although ComfyUI runs every node inside it: there, ``.to``
+reaches torchao's quantized weights undecomposed and their aliasing fix-up fails ("Attempted to set the storage of
+a tensor on device cpu to a storage on different device cuda:0", torchao 0.17 on the H200). Every weight the pack
+makes is a normal tensor, never an inference tensor (``model_files.builds_weights``), so it moves either way.
+
+Every override here takes and passes on keyword arguments it does not know: core adds them across versions.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+
+import comfy.model_patcher
+import torch
+from comfy.patcher_extension import CallbacksMP
+
+from ..errors import ErnieImageError
+from .sizes import module_bytes
+
+ModelPatcher = comfy.model_patcher.ModelPatcher
+# ERNIE_IMAGE_DYNAMIC_VRAM=off keeps the DiT on core's classic patcher even where the core streams models with
+# dynamic VRAM (for a comparison, or should the dynamic path misbehave on a machine).
+DYNAMIC_VRAM_ENV = "ERNIE_IMAGE_DYNAMIC_VRAM"
+
+
+class ManagedModule(torch.nn.Module):
+    """A plain container: ModelPatcher writes ``.device`` and bookkeeping attributes onto the module it manages,
+    which transformers' models do not allow (their ``device`` is a read-only property)."""
+
+    def __init__(self, module: torch.nn.Module, device: torch.device):
+        super().__init__()
+        self.module = module
+        self.device = device
+
+
+def out_of_memory(error: torch.OutOfMemoryError, advice: str) -> torch.OutOfMemoryError:
+    """ERNIE-Image's ``advice``, then ``error``'s own text: still an out-of-memory error, so that ComfyUI frees its
+    models as for any other (its own tip is about batch sizes). The advice comes first because CUDA's text is long
+    and views of an error (a dialog, a log line) are cut from the end."""
+    return torch.OutOfMemoryError(f"ERNIE-Image: {advice}\n{error}")
+
+
+def is_dynamic(patcher) -> bool:
+    """Whether core streams ``patcher``'s weights with dynamic VRAM (``ModelPatcherDynamic``; False on cores
+    without it)."""
+    return bool(getattr(patcher, "is_dynamic", lambda: False)())
+
+
+def dynamic_vram() -> bool:
+    """Whether the running core manages models with dynamic VRAM (its ``CoreModelPatcher`` is not the classic
+    ModelPatcher) and ``ERNIE_IMAGE_DYNAMIC_VRAM`` does not turn that off for the pack."""
+    core = getattr(comfy.model_patcher, "CoreModelPatcher", ModelPatcher)
+    return core is not ModelPatcher and os.environ.get(DYNAMIC_VRAM_ENV, "auto").strip().lower() != "off"
+
+
+def dit_patcher_class(resident: bool, subclass_weights: bool = False) -> type:
+    """Core's patcher for the DiT: its dynamic one where the core has it on, unless the DiT stays ``resident`` on
+    the GPU and is compiled there, which the dynamic patcher's per-layer casts do not allow (core's compile node
+    gives such a model the classic patcher too: ``model.clone(disable_dynamic=True)``). ``subclass_weights``:
+    weights held as tensor subclasses (core's quantized layers), which need ``OutsideInferenceMode``."""
+    core = comfy.model_patcher.CoreModelPatcher if dynamic_vram() and not resident else ModelPatcher
+    return _outside_inference_mode(core) if subclass_weights else core
+
+
+def can_demote(patcher) -> bool:
+    """Whether ``patcher`` is dynamic and its core can give a classic copy: ``clone(disable_dynamic=True)`` loads
+    the model again through the loader recorded in ``cached_patcher_init`` (model_patcher.py @08d0e510)."""
+    return (is_dynamic(patcher) and "disable_dynamic" in inspect.signature(patcher.clone).parameters
+            and getattr(patcher, "cached_patcher_init", None) is not None)
+
+
+class OutsideInferenceMode:
+    """Core's patcher methods that read or move the weights, run outside inference mode (ComfyUI runs nodes
+    inside it). A tensor-subclass weight (torchao's, core's ``QuantizedTensor``) made or moved outside inference
+    mode cannot be detached inside it ("Cannot set version_counter for inference tensor"), and core detaches
+    every weight to size a model (``model_management.module_size`` reads ``state_dict()``); sizes here come from
+    the tensors themselves."""
+
+    def model_size(self) -> int:
+        if self.size == 0:
+            self.size = module_bytes(self.model)
+        return self.size
+
+    def load(self, *args, **kwargs):
+        with torch.inference_mode(False):
+            return super().load(*args, **kwargs)
+
+    def partially_load(self, *args, **kwargs):
+        with torch.inference_mode(False):
+            return super().partially_load(*args, **kwargs)
+
+    def partially_unload(self, *args, **kwargs):
+        with torch.inference_mode(False):
+            return super().partially_unload(*args, **kwargs)
+
+    def unpatch_model(self, *args, **kwargs):
+        with torch.inference_mode(False):
+            return super().unpatch_model(*args, **kwargs)
+
+
+@functools.cache
+def _outside_inference_mode(patcher_class: type) -> type:
+    return type(patcher_class.__name__, (OutsideInferenceMode, patcher_class), {})
+
+
+class WholeModelPatcher(OutsideInferenceMode, ModelPatcher):
+    """A ModelPatcher that never loads or unloads its model in part, and knows the true size of quantized weights."""
+
+    def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
+        try:
+            return super().load(device_to, lowvram_model_memory, force_patch_weights, full_load=True, **kwargs)
+        except torch.OutOfMemoryError as error:
+            raise out_of_memory(
+                error, f"{type(self.model).__name__} needs {self.model_size() / 2**30:.1f} GiB on "
+                f"{device_to or self.load_device} as a whole (the pack's models cannot be loaded in part). Make room: "
+                "quantize the DiT in its loader (fp8_per_row or int8_weight_only), put the Prompt Enhancer or the "
+                "text encoder on another device (their loaders' device input), or close other programs that use "
+                "the GPU."
+            ) from error
+
+    def add_patches(self, patches, strength_patch=1.0, strength_model=1.0, **kwargs):
+        # Core's LoRA loaders end here too: refuse before a load fails deep inside the patching.
+        if patches:
+            raise ErnieImageError(
+                f"{type(self.model).__name__} cannot take LoRA patches: its weights are quantized (torchao or "
+                "SVDQuant) or a transformers model's, which ComfyUI's patching cannot change. For a LoRA on the DiT, "
+                "load it with quantization none (weight_dtype fp8_e4m3fn halves its memory and takes LoRAs)."
+            )
+        return super().add_patches(patches, strength_patch, strength_model, **kwargs)
+
+    def partially_unload(self, *args, **kwargs) -> int:
+        return 0  # frees nothing: ComfyUI then unloads the whole model
+
+
+def on_detach(patcher: ModelPatcher, callback) -> None:
+    """Call ``callback()`` whenever ComfyUI unloads ``patcher``'s model from its device."""
+    patcher.add_callback(CallbacksMP.ON_DETACH, lambda *args, **kwargs: callback())
+
+
+def place(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``module`` on ``device``, moved outside inference mode, and only when some tensor is elsewhere: a move, even
+    to where a torchao weight already is, detaches it, which inference mode refuses ("Cannot set version_counter
+    for inference tensor", the FP8 loader inside ComfyUI on the H200)."""
+    if all(t.device == device for t in (*module.parameters(), *module.buffers())):
+        return module
+    with torch.inference_mode(False):
+        return module.to(device)

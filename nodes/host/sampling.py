@@ -1,0 +1,91 @@
+"""Core's hooks around a sampling run, its node text, progress and interrupt, as the running core calls them.
+
+Wrappers get ``(executor, *args, **kwargs)`` and pass everything on: core adds keywords across versions (since
+v0.6.0 ``prepare_sampling`` hands PREPARE_SAMPLING wrappers ``force_full_load=`` and later ``force_offload=``,
+comfy/sampler_helpers.py @53757775), and a wrapper that names its parameters breaks on the next one. A memory
+estimate wrapped for a run forwards only the keywords the model's own estimate takes (``memory_efficient_attention``
+is new in current cores, whose ``call_model_memory_required`` passes it where the signature allows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from collections.abc import Callable, Iterator
+
+import comfy.model_management as mm
+import comfy.patcher_extension
+import comfy.utils
+import torch
+
+WrappersMP = comfy.patcher_extension.WrappersMP
+SAMPLER_SAMPLE = WrappersMP.SAMPLER_SAMPLE
+APPLY_MODEL = WrappersMP.APPLY_MODEL
+PREPARE_SAMPLING = WrappersMP.PREPARE_SAMPLING
+# What core raises when the user cancels: an Exception on 0.3.75, a BaseException on current cores
+# (model_management.py @02b2b388), so generic handlers never swallow it there.
+Interrupted = mm.InterruptProcessingException
+
+
+def set_wrapper(model, kind: str, key: str, wrapper: Callable | None) -> None:
+    """Replace the wrapper of ``kind`` under ``key`` on the patcher ``model`` (None: remove it)."""
+    model.remove_wrappers_with_key(kind, key)
+    if wrapper is not None:
+        model.add_wrapper_with_key(kind, key, wrapper)
+
+
+def run_diffusion_model(forward: Callable, module: torch.nn.Module, transformer_options: dict, *args, **kwargs):
+    """``forward(*args, **kwargs)`` through the DIFFUSION_MODEL wrappers in ``transformer_options``, as core's
+    own models run their forward."""
+    executor = comfy.patcher_extension.WrapperExecutor.new_class_executor(
+        forward, module,
+        comfy.patcher_extension.get_all_wrappers(WrappersMP.DIFFUSION_MODEL, transformer_options))
+    return executor.execute(*args, **kwargs)
+
+
+def call_accepting(function: Callable, *args, **kwargs):
+    """``function(*args, **kwargs)`` without the keywords its signature does not take."""
+    parameters = inspect.signature(function).parameters
+    if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        kwargs = {name: value for name, value in kwargs.items() if name in parameters}
+    return function(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def memory_estimate_plus(base_model, extra: Callable[[list[int]], int]) -> Iterator[None]:
+    """While the block runs, ``base_model``'s memory estimate for an input shape is its own plus ``extra(shape)``
+    (the estimate ComfyUI frees memory by before sampling, and reads again for each batch of conds)."""
+    estimate = base_model.memory_required
+
+    def with_extra(input_shape, *args, **kwargs):
+        return call_accepting(estimate, input_shape, *args, **kwargs) + extra(input_shape)
+
+    base_model.memory_required = with_extra
+    try:
+        yield
+    finally:
+        del base_model.memory_required  # the class's own again
+
+
+def show_on_node(node_id: str | None, text: str) -> None:
+    """Show ``text`` on the node in the ComfyUI frontend (when a ComfyUI server runs this process)."""
+    server = sys.modules.get("server")  # ComfyUI's server module; absent when the core runs without a server
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    if instance is not None and node_id is not None:
+        instance.send_progress_text(text, node_id, sid=instance.client_id)  # the client that queued the prompt
+
+
+def interrupted() -> bool:
+    """Whether the user asked ComfyUI to stop the running prompt."""
+    return bool(mm.processing_interrupted())
+
+
+def raise_if_interrupted() -> None:
+    """Raise core's interrupt when the user asked to stop."""
+    mm.throw_exception_if_processing_interrupted()
+
+
+def progress_bar(total: int) -> comfy.utils.ProgressBar:
+    """Core's progress bar on the running node."""
+    return comfy.utils.ProgressBar(total)
