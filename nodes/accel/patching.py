@@ -30,11 +30,15 @@ from ..host.memory import dtype_size
 from ..host.patchers import can_demote, is_dynamic
 from ..host.sampling import (
     APPLY_MODEL,
+    APPLY_MODEL_ARGS,
     PREPARE_SAMPLING,
+    PREPARE_SAMPLING_ARGS,
     SAMPLER_SAMPLE,
+    SAMPLER_SAMPLE_ARGS,
     memory_estimate_plus,
     set_wrapper,
     show_on_node,
+    wrapper_arguments,
 )
 from .cache import CacheRun, check_block_count, step_index, stored_streams
 from .cache_presets import CacheSettings
@@ -69,8 +73,9 @@ def dit_blocks(model) -> tuple[torch.nn.Module, str]:
 
 def _cache_sampler_sample(executor, *args, **kwargs):
     # KSAMPLER.sample(guider, sigmas, extra_args, callback, noise, ...), after the model was loaded
-    guider, sigmas, extra_args = args[0], args[1], args[2]
-    transformer_options = extra_args["model_options"]["transformer_options"]  # this run's own copy
+    call = wrapper_arguments(SAMPLER_SAMPLE_ARGS, args, kwargs)
+    guider, sigmas = call["guider"], call["sigmas"]
+    transformer_options = call["extra_args"]["model_options"]["transformer_options"]  # this run's own copy
     job: CacheJob = transformer_options[CACHE_KEY]
     holder, blocks_name = dit_blocks(guider.model_patcher)
     run = CacheRun(holder, blocks_name, job.settings, steps=len(sigmas) - 1)
@@ -87,7 +92,8 @@ def _cache_sampler_sample(executor, *args, **kwargs):
 
 def _cache_apply_model(executor, *args, **kwargs):
     # BaseModel.apply_model(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
-    sigma, transformer_options = args[1], args[5]
+    call = wrapper_arguments(APPLY_MODEL_ARGS, args, kwargs)
+    sigma, transformer_options = call["t"], call["transformer_options"]
     run: CacheRun | None = transformer_options.get(RUN_KEY)
     if run is not None:
         step = step_index(transformer_options["sample_sigmas"], float(sigma[0]))
@@ -95,13 +101,14 @@ def _cache_apply_model(executor, *args, **kwargs):
     return executor(*args, **kwargs)
 
 
-def _cache_prepare_sampling(executor, model, noise_shape, conds, *args, **kwargs):
+def _cache_prepare_sampling(executor, *args, **kwargs):
     # ComfyUI frees room for sampling by the model's memory_required, which knows nothing of cache-dit's stores
     # (0.33 GiB for a CFG step at 1024² with TaylorSeer 1). For this load only, they count: ComfyUI's cond batching
     # reads the estimate again at every step, when the stores already hold their memory. Core's own arguments
     # (model_options=, and force_full_load= / force_offload= since v0.6.0) pass through as they came.
-    options = kwargs.get("model_options") if "model_options" in kwargs else (args[0] if args else None)
-    job: CacheJob = options["transformer_options"][CACHE_KEY]
+    call = wrapper_arguments(PREPARE_SAMPLING_ARGS, args, kwargs)
+    model, conds = call["model"], call["conds"]
+    job: CacheJob = call["model_options"]["transformer_options"][CACHE_KEY]
     base = model.model
     holder, _ = dit_blocks(model)
     embedder = holder.x_embedder.proj  # the pack's DiT and ComfyUI's native one: a patch_size conv to the width
@@ -113,7 +120,7 @@ def _cache_prepare_sampling(executor, model, noise_shape, conds, *args, **kwargs
         return stored_streams(job.settings) * input_shape[0] * tokens * embedder.out_channels * element
 
     with memory_estimate_plus(base, cache_stores):
-        return executor(model, noise_shape, conds, *args, **kwargs)
+        return executor(*args, **kwargs)
 
 
 def apply_cache(model, job: CacheJob):
@@ -130,8 +137,8 @@ def apply_cache(model, job: CacheJob):
 
 
 def _compile_sampler_sample(executor, *args, **kwargs):
-    guider, extra_args = args[0], args[2]
-    patcher = guider.model_patcher
+    call = wrapper_arguments(SAMPLER_SAMPLE_ARGS, args, kwargs)
+    patcher, extra_args = call["guider"].model_patcher, call["extra_args"]
     holder, blocks_name = dit_blocks(patcher)
     blocks = getattr(holder, blocks_name)
     mode = extra_args["model_options"]["transformer_options"][COMPILE_KEY]

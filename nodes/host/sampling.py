@@ -28,6 +28,21 @@ PREPARE_SAMPLING = WrappersMP.PREPARE_SAMPLING
 Interrupted = mm.InterruptProcessingException
 
 
+# Where each wrapper's arguments are, as core calls it: positions (core passes them so today) and names (should a
+# core pass one by keyword). KSAMPLER.sample (samplers.py), BaseModel.apply_model (model_base.py) and
+# prepare_sampling (sampler_helpers.py), 0.3.75 and @53757775 alike.
+SAMPLER_SAMPLE_ARGS = ("guider", "sigmas", "extra_args")
+APPLY_MODEL_ARGS = ("x", "t", "c_concat", "c_crossattn", "control", "transformer_options")
+PREPARE_SAMPLING_ARGS = ("model", "noise_shape", "conds", "model_options")
+
+
+def wrapper_arguments(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict:
+    """A wrapper's arguments by name (after the executor), from positions or keywords."""
+    found = dict(zip(names, args, strict=False))
+    found.update((name, kwargs[name]) for name in names if name in kwargs)
+    return found
+
+
 def set_wrapper(model, kind: str, key: str, wrapper: Callable | None) -> None:
     """Replace the wrapper of ``kind`` under ``key`` on the patcher ``model`` (None: remove it)."""
     model.remove_wrappers_with_key(kind, key)
