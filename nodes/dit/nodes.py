@@ -15,8 +15,8 @@ from ..accel.compile import compiles_by_default
 from ..accel.patching import compile_by_default
 from ..accel.quantize import load_quantized_dit
 from ..errors import ErnieImageError
-from ..host.memory import capacity, compute_dtype, core_unet_dtype, torch_device, usable_memory
-from ..host.patchers import module_bytes
+from ..host.memory import compute_dtype, core_unet_dtype, fits_whole, torch_device, usable_memory
+from ..host.sizes import module_bytes
 from ..paths import (
     SNAPSHOT_PREFIX,
     check_choice,
@@ -39,7 +39,6 @@ WEIGHT_DTYPES = {"default": None, "bf16": torch.bfloat16, "fp32": torch.float32,
 RUNNABLE_DTYPES = [torch.bfloat16, torch.float32]  # what the pack's DiT computes in
 STORAGE_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]  # what it may keep its block weights in, cast per layer
 QUANTIZATION_METHODS = list(METHODS)
-RESIDENT_MARGIN = 1.1  # core sizes a model's load at 1.1x its weights
 
 def _weight_dtypes(choice: str) -> tuple[torch.dtype, torch.dtype | None]:
     """The DiT's compute dtype and its block weights' dtype (None: an fp8 file's own fp8, else the compute dtype).
@@ -97,7 +96,7 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, 
                 and not getattr(dit, "quant_formats", None))
     # Compiled blocks need their weights on the GPU: where the whole DiT fits there, core's classic patcher keeps
     # it so (as core's compile node demotes a dynamic model); elsewhere core's own choice streams it.
-    resident = disable_dynamic or (compiles and module_bytes(dit) * RESIDENT_MARGIN <= capacity(device))
+    resident = disable_dynamic or (compiles and fits_whole(module_bytes(dit), device))
     patcher = make_model_patcher(dit, shift, whole=quantized, resident=resident)
     patcher.cached_patcher_init = (_load_model, (path, weight_dtype, quantization, shift))
     return compile_by_default(patcher) if compiles else patcher

@@ -22,7 +22,7 @@ from .sizes import module_bytes
 # ComfyUI's flags that fix the diffusion model's weight dtype for every model.
 UNET_DTYPE_FLAGS = ("fp32_unet", "fp64_unet", "bf16_unet", "fp16_unet", "fp8_e4m3fn_unet", "fp8_e5m2_unet",
                     "fp8_e8m0fnu_unet")
-TEXT_MARGIN = 1.1  # core sizes a load at 1.1x the model (model_management.load_models_gpu)
+LOAD_MARGIN = 1.1  # core sizes a load at 1.1x the model (model_management.load_models_gpu)
 
 
 def torch_device() -> torch.device:
@@ -49,6 +49,11 @@ def usable_memory(device: torch.device) -> int:
 def capacity(device: torch.device) -> int:
     """What ``device`` can give one model with every other unloaded: its memory less core's inference minimum."""
     return int(mm.get_total_memory(device)) - int(mm.minimum_inference_memory())
+
+
+def fits_whole(size: int, device: torch.device) -> bool:
+    """Whether a model of ``size`` bytes fits on ``device`` with every other model unloaded, as core sizes it."""
+    return size * LOAD_MARGIN <= capacity(device)
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
@@ -85,7 +90,7 @@ def text_model_patcher(container: torch.nn.Module, load: torch.device, offload: 
     (``chosen`` False) and it cannot hold the model with everything else unloaded, the model runs on ``offload``
     instead, said once in the log."""
     size = module_bytes(container)
-    if not chosen and load != offload and size * TEXT_MARGIN > capacity(load):
+    if not chosen and load != offload and not fits_whole(size, load):
         logging.warning("ERNIE-Image: the %s (%.1f GiB) does not fit on %s (%.1f GiB usable with nothing else "
                         "loaded); it runs on %s. Its loader's device input picks another device.", what,
                         size / 2**30, load, max(capacity(load), 0) / 2**30, offload)
