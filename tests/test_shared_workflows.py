@@ -131,16 +131,20 @@ def test_workflow_loads_in_the_frontend(ui_server, browser, path, tmp_path):
 
 def _widget_values(ui_node: dict, info: dict) -> dict:
     """Map a UI node's ``widgets_values`` onto input names, in the server's input order: every widget input has a
-    value (a widget fed by a link too, then ignored), and a seed with "control after generate" one more."""
+    value (a widget fed by a link too, then ignored), and a seed with "control after generate" one more. A workflow
+    saved before an optional input was added has no value for it (the frontend then shows its default)."""
     linked = {i["name"] for i in ui_node.get("inputs", []) if i.get("link") is not None}
     specs = info["input"].get("required", {}) | info["input"].get("optional", {})
     order = info["input_order"].get("required", []) + info["input_order"].get("optional", [])
+    optional = set(info["input_order"].get("optional", []))
     values, out = iter(ui_node["widgets_values"]), {}
     for name in order:
         kind, options = specs[name][0], (specs[name][1] if len(specs[name]) > 1 else {})
         if not (isinstance(kind, list) or kind in WIDGET_TYPES):
             continue
-        value = next(values)
+        value = next(values, None) if name in optional else next(values)
+        if value is None and name in optional:
+            continue  # saved before this optional input existed
         if name not in linked:
             out[name] = value
         if options.get("control_after_generate"):
