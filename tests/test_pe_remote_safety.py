@@ -29,6 +29,7 @@ from helpers.pe_servers import (
     RecordingProxy,
     Reply,
     chat_reply,
+    key_not_sent,
     models_reply,
     remote,
 )
@@ -38,13 +39,7 @@ SAMPLED = SamplingParams(temperature=0.6, top_p=0.8, max_new_tokens=20, seed=3)
 KEY, SECRET = "ERNIE_PE_API_KEY_SAFETY", "sk-safety-0123456789"
 TRICKLE = Reply(size=200, piece=1, pace=0.05)  # one byte every 50 ms: 10 s for the whole answer
 # The one refusal for a key that is unset, has no _URL or is bound elsewhere (issue 24): it names no bound server.
-NOT_SENT = (
-    f"the key in {KEY} (api_key_env) was not sent: api_key_env may name only ERNIE_PE_API_KEY or "
-    "ERNIE_PE_API_KEY_<NAME> (capitals, digits and _), and the key is sent only to the server whose address is in the "
-    "variable of the same name ending in _URL (under that address's path, when it has one); both must be set in the "
-    "environment ComfyUI starts from, outside the workflow, so that a shared workflow cannot send your key elsewhere. "
-    f"Fix: set {KEY} to the key and {KEY}_URL to the address of the server it belongs to, there, and use that "
-    "server's base_url; or clear api_key_env when the server needs no key")
+NOT_SENT = key_not_sent(KEY)
 
 
 @pytest.fixture

@@ -19,18 +19,12 @@ from comfyui_ernie_image.nodes.pe.key_policy import trusted_server
 from comfyui_ernie_image.nodes.pe.nodes import ErnieImagePERemote, ErnieImagePromptEnhance, result_cache
 from comfyui_ernie_image.nodes.pe.protocol import Completion, EnhancerError, PromptSpec, SamplingParams
 from comfyui_ernie_image.nodes.pe.url import is_loopback, parse_api_root
-from helpers.pe_servers import RecordingProxy, Reply, models_reply, remote
+from helpers.pe_servers import RecordingProxy, Reply, key_not_sent, models_reply, remote
 
 PROMPT = [PromptSpec("a red kite over the sea", 1024, 1024)]
 SAMPLED = SamplingParams(temperature=0.6, top_p=0.8, max_new_tokens=16, seed=5)
 KEY, SECRET = "ERNIE_PE_API_KEY_STRANGER", "sk-stranger-0123456789"
-NOT_SENT = (
-    f"the key in {KEY} (api_key_env) was not sent: api_key_env may name only ERNIE_PE_API_KEY or "
-    "ERNIE_PE_API_KEY_<NAME> (capitals, digits and _), and the key is sent only to the server whose address is in the "
-    "variable of the same name ending in _URL (under that address's path, when it has one); both must be set in the "
-    "environment ComfyUI starts from, outside the workflow, so that a shared workflow cannot send your key elsewhere. "
-    f"Fix: set {KEY} to the key and {KEY}_URL to the address of the server it belongs to, there, and use that "
-    "server's base_url; or clear api_key_env when the server needs no key")
+NOT_SENT = key_not_sent(KEY)
 UNQUOTED = ("its own words are not shown: only a server on this machine or the one an api_key_env key is bound to "
             "is quoted")
 
