@@ -12,9 +12,11 @@ Symlinks are not resolved on purpose: users link model folders and files in from
 (``models/diffusers/ERNIE-Image -> /data/hf/...``), and resolve-then-compare would refuse every such link. A link the
 user made inside their own models folder is theirs; what a workflow cannot do is name a path out of the folder.
 
-Folder walks follow links too (as ComfyUI's own listings do) but visit each real folder once, so that a link loop
-(``models/diffusers/loop -> ..``) cannot make a listing endless. A damaged ``model_index.json`` (not an object,
-not JSON, huge, not a file) hides its folder from the list, never the pack's nodes.
+Folder walks follow links too (as ComfyUI's own listings do) but walk into each real folder once, so that a link
+loop (``models/diffusers/loop -> ..``) cannot make a listing endless; a folder reached again through another link is
+still listed under that link's name (two names for one snapshot are the user's choice), only not walked again.
+A damaged ``model_index.json`` (not an object, not JSON, huge, not a file) hides its folder from the list, never the
+pack's nodes.
 """
 
 from __future__ import annotations
@@ -71,14 +73,14 @@ def inside(root: str | Path, name: str, folder_name: str) -> Path:
 
 
 def walk(root: str | Path) -> Iterator[tuple[str, list[str], list[str]]]:
-    """``os.walk(root, followlinks=True)`` that enters each real folder once: a link loop ends the branch. Clearing
-    the yielded ``dirs`` prunes, as with ``os.walk``."""
+    """``os.walk(root, followlinks=True)`` that walks into each real folder once: a folder whose real path was seen
+    already is yielded (under the name that reached it) with no ``dirs``, so that a link loop ends there and links
+    that fan out cannot multiply the walk. Clearing the yielded ``dirs`` prunes, as with ``os.walk``."""
     seen: set[str] = set()
     for current, dirs, files in os.walk(root, followlinks=True):
         real = os.path.realpath(current)
         if real in seen:
             dirs.clear()
-            continue
         seen.add(real)
         yield current, dirs, files
 

@@ -103,15 +103,17 @@ def test_a_name_out_of_the_model_folder_is_refused_by_every_resolver(comfy_paths
 def test_a_snapshot_the_user_linked_into_the_folder_is_listed_and_loads(comfy_paths, tiny_models, outside):
     """The rule compares names, not resolved paths: a folder linked in from another disk is the user's choice. (The
     same test refuses the traversal to that folder, so that it fails on a pack that allows both.)"""
-    link = tiny_models["models_dir"] / "diffusers" / "linked-from-elsewhere"
+    link, again = (tiny_models["models_dir"] / "diffusers" / name for name in ("linked-from-elsewhere", "same-again"))
     link.symlink_to(outside["snapshot"], target_is_directory=True)
+    again.symlink_to(outside["snapshot"], target_is_directory=True)  # two names for one folder: both are listed
     try:
-        assert "linked-from-elsewhere" in snapshot_names()
+        assert {"linked-from-elsewhere", "same-again"} <= set(snapshot_names())
         assert snapshot_path("linked-from-elsewhere") == link
         with pytest.raises(ErnieImageError, match="is not a model name under ComfyUI's models/diffusers"):
             snapshot_path(os.path.relpath(outside["snapshot"], link.parent))
     finally:
         link.unlink()
+        again.unlink()
 
 
 BAD_INDEXES = {
