@@ -9,8 +9,11 @@ class ErnieImageExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
         from .accel.nodes import ACCEL_NODES
         from .dit.nodes import DIT_NODES
+        from .inputs import guard_nodes
         from .lora.nodes import LORA_NODES
         from .pe.nodes import PE_NODES
         from .text.nodes import TEXT_NODES
 
-        return [*DIT_NODES, *LORA_NODES, *PE_NODES, *TEXT_NODES, *ACCEL_NODES]
+        # Every node checks its inputs against its own schema when it runs (inputs.py): ComfyUI does not, for
+        # Combo values and for linked numbers.
+        return guard_nodes([*DIT_NODES, *LORA_NODES, *PE_NODES, *TEXT_NODES, *ACCEL_NODES])

@@ -82,7 +82,7 @@ def test_enabled_off_returns_the_prompts_and_touches_nothing(tiny_models, user_d
         output = ErnieImagePromptEnhance.execute(**enhance_inputs(["a cat", '"quoted" 中文'], pe, enabled=False))
         assert output.result == (["a cat", '"quoted" 中文'],)
     assert not lazy.loaded
-    assert not (user_dir / "ernie_image").exists()
+    assert not (user_dir / "ernie_image").exists() and not (user_dir / "__ernie_image").exists()
 
 
 def test_a_list_of_prompts_is_enhanced_in_order_and_cached(comfy_paths, user_dir):
@@ -93,7 +93,7 @@ def test_a_list_of_prompts_is_enhanced_in_order_and_cached(comfy_paths, user_dir
     expected = pe.enhance([PromptSpec(p, 848, 1024) for p in prompts], SamplingParams(0.6, 0.8, 16, 0))
     assert texts == [c.text for c in expected]
     assert output.ui.as_dict() == {"text": ("\n\n".join(texts),)}
-    assert (user_dir / "ernie_image" / "pe_cache.sqlite3").is_file()
+    assert (user_dir / "__ernie_image" / "pe_cache.sqlite3").is_file()  # a system user's folder (issue 24)
 
 
 def test_no_pe_connected_is_a_clear_error(comfy_paths, user_dir):
@@ -115,10 +115,9 @@ def test_the_remote_node_checks_its_inputs_without_contacting_anything():
     assert str(pe.root) == f"http://127.0.0.1:{KEY_SERVER_PORT}/v1" and pe.api_key_env == KEY_ENV
     with pytest.raises(EnhancerError, match="api_key_env takes the NAME of an environment variable"):
         ErnieImagePERemote.execute("http://127.0.0.1:9", "", "sk-pasted-key-1234", 5.0, 0)
-    with pytest.raises(EnhancerError, match=f"the key in {KEY_ENV} is bound to http://127.0.0.1:{KEY_SERVER_PORT} "
-                                            rf"\({KEY_ENV}_URL\) but base_url is http://127.0.0.1:9, so the key was "
-                                            "not sent"):
+    with pytest.raises(EnhancerError, match=rf"^the key in {KEY_ENV} \(api_key_env\) was not sent: ") as error:
         ErnieImagePERemote.execute("http://127.0.0.1:9", "", KEY_ENV, 5.0, 0)
+    assert str(KEY_SERVER_PORT) not in str(error.value)  # the bound server is not told (issue 24)
 
 
 def test_the_cache_input_is_last_optional_and_means_use_when_absent():

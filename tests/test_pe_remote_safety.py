@@ -29,6 +29,7 @@ from helpers.pe_servers import (
     RecordingProxy,
     Reply,
     chat_reply,
+    key_not_sent,
     models_reply,
     remote,
 )
@@ -37,6 +38,8 @@ PROMPT = [PromptSpec("a big dog on a red mat", 848, 1264)]
 SAMPLED = SamplingParams(temperature=0.6, top_p=0.8, max_new_tokens=20, seed=3)
 KEY, SECRET = "ERNIE_PE_API_KEY_SAFETY", "sk-safety-0123456789"
 TRICKLE = Reply(size=200, piece=1, pace=0.05)  # one byte every 50 ms: 10 s for the whole answer
+# The one refusal for a key that is unset, has no _URL or is bound elsewhere (issue 24): it names no bound server.
+NOT_SENT = key_not_sent(KEY)
 
 
 @pytest.fixture
@@ -97,11 +100,8 @@ def test_a_key_is_sent_only_to_the_host_it_is_bound_to(proxies, monkeypatch):
 
     with pytest.raises(EnhancerError) as error:  # a workflow aiming the same variable at another host
         remote_node(other.url, KEY)
-    assert str(error.value) == (
-        f"the key in {KEY} is bound to {mine.url} ({KEY}_URL) but base_url is {other.url}, so the key was not sent: "
-        "api_key_env may name only ERNIE_PE_API_KEY or ERNIE_PE_API_KEY_<NAME> (capitals, digits and _), and the key "
-        "is sent only to the server whose address is in the variable of the same name ending in _URL. Fix: use that "
-        "server's base_url, or give this server its own ERNIE_PE_API_KEY_<NAME> and ERNIE_PE_API_KEY_<NAME>_URL")
+    assert str(error.value) == NOT_SENT
+    assert mine.url not in str(error.value)  # the bound server is not told to the workflow (issue 24)
     assert other.received == []
 
 
@@ -113,8 +113,9 @@ def test_a_key_rebound_after_the_handle_was_made_is_not_sent(proxies, monkeypatc
     monkeypatch.setenv(f"{KEY}_URL", mine.url)
     pe = remote_node(mine.url, KEY)
     monkeypatch.setenv(f"{KEY}_URL", "https://pe.example.com")
-    with pytest.raises(EnhancerError, match=f"the key in {KEY} is bound to https://pe.example.com"):
+    with pytest.raises(EnhancerError) as error:
         pe.enhance(PROMPT, SAMPLED)
+    assert str(error.value) == NOT_SENT and "pe.example.com" not in str(error.value)
     assert mine.received == []
 
 
@@ -124,10 +125,7 @@ def test_a_key_without_its_url_variable_is_not_sent(proxies, monkeypatch):
     monkeypatch.delenv(f"{KEY}_URL", raising=False)
     with pytest.raises(EnhancerError) as error:
         remote_node(mine.url, KEY)
-    assert str(error.value).startswith(
-        f"{KEY} is set but {KEY}_URL is not, so the key was not sent: api_key_env may name only ERNIE_PE_API_KEY")
-    assert str(error.value).endswith(
-        f"Fix: set {KEY}_URL to the address of the server this key belongs to, in the environment ComfyUI starts from")
+    assert str(error.value) == NOT_SENT  # the words of an unset or misbound key: set and unset are not told apart
     assert mine.url not in str(error.value)  # never a suggestion to bind the key to the workflow's host
     assert mine.received == []
 

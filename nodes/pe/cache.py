@@ -1,12 +1,16 @@
 """The result cache: enhanced prompts in memory and in an SQLite file, keyed by the backend's identity, the prompt, the
 image size, the sampling parameters and the seed. Bounded; a corrupt file is set aside and rebuilt, a busy one (locked
-by another process) is passed over for the moment; never a crash."""
+by another process) is passed over for the moment; never a crash.
+
+The file is private to its user (the folder 0700, the file and SQLite's journals 0600, also made so when they exist
+with wider modes): it holds the user's prompts and texts an API key paid for."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -32,10 +36,13 @@ def cache_key(identity: str, spec: PromptSpec, params: SamplingParams) -> str:
 
 
 class ResultCache:
-    """An LRU in memory in front of an SQLite file (``path`` None: memory only). Thread-safe."""
+    """An LRU in memory in front of an SQLite file (``path`` None: memory only). Thread-safe. ``former``: where an
+    earlier version kept the file; it is moved to ``path`` when ``path`` does not exist yet."""
 
-    def __init__(self, path: Path | None, max_entries: int = 20_000, memory_entries: int = 512):
+    def __init__(self, path: Path | None, max_entries: int = 20_000, memory_entries: int = 512,
+                 former: Path | None = None):
         self.path, self.max_entries, self.memory_entries = path, max_entries, memory_entries
+        self.former = former
         self._memory: OrderedDict[str, Completion] = OrderedDict()
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
@@ -91,7 +98,10 @@ class ResultCache:
     def _connect(self) -> sqlite3.Connection | None:
         if self._db is None and self.path is not None:
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                if self.former is not None and self.former.is_file() and not self.path.exists():
+                    self.former.replace(self.path)  # its texts stay cached; the old place may be served (/userdata)
+                _make_private(self.path)
             except OSError as error:
                 logging.warning("ERNIE-Image PE cache: cannot use %s (%s); caching in memory only", self.path, error)
                 self.path = None
@@ -122,6 +132,17 @@ class ResultCache:
             self.path.replace(aside)
         except OSError:
             pass  # the retry fails the same way and falls back to memory
+
+
+def _make_private(path: Path) -> None:
+    """``path``'s folder and the file (created if missing) and its SQLite journals readable by their owner only: no
+    bits for the group and others, the owner's own kept (a file the user made read-only stays read-only)."""
+    os.close(os.open(path, os.O_RDONLY | os.O_CREAT, 0o600))  # created private, not at the umask's mode
+    for target in (path.parent, path, *(path.with_name(path.name + end) for end in ("-journal", "-wal", "-shm"))):
+        if target.exists():
+            mode = target.stat().st_mode & 0o777
+            if mode & 0o077:
+                os.chmod(target, mode & 0o700)
 
 
 def enhance_cached(

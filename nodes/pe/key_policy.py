@@ -7,8 +7,15 @@ workflow:
 1. ``api_key_env`` may name only a variable made for this node: ``ERNIE_PE_API_KEY`` or ``ERNIE_PE_API_KEY_<NAME>``
    (capitals, digits, ``_``). ``AWS_SECRET_ACCESS_KEY``, ``OPENAI_API_KEY``, ``HF_TOKEN`` are refused.
 2. The key is bound to the server the user set it for: ``<variable>_URL`` holds that server's address, and the key
-   is sent only when ``base_url`` has the same origin (scheme, host, port). Without ``<variable>_URL`` the key is not
-   sent.
+   is sent only when ``base_url`` has the same origin (scheme, host, port) and, when that address has a path, an API
+   root at that path or under it (a key bound to ``https://gateway/team-a`` does not go to ``/team-b/v1`` of the same
+   gateway). Without ``<variable>_URL`` the key is not sent.
+
+What a refusal says is the same whether the variable is unset, has no ``_URL`` or is bound to another server, and it
+never names the bound server: a stranger's workflow must not learn from an error what the user's environment holds.
+Two more things follow the binding: only a server on this machine or the one the key is bound to may put its own
+words into an error (``trusted_server``), and the key's identity (a short hash, never the key) is part of the result
+cache's key (``credential_id``), so that a workflow without the key cannot read texts a keyed run paid for.
 
 The yardsticks: OpenAI's client takes ``OPENAI_API_KEY`` and ``OPENAI_BASE_URL`` both from the environment; ComfyUI's
 own API nodes send the user's comfy.org key only to ``--comfy-api-base``, a command-line setting. Plain Python.
@@ -16,11 +23,12 @@ own API nodes send the user's comfy.org key only to ``--comfy-api-base``, a comm
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 
 from .protocol import EnhancerError
-from .url import ApiRoot, parse_api_root
+from .url import ApiRoot, is_loopback, parse_api_root
 
 PREFIX = "ERNIE_PE_API_KEY"
 URL_SUFFIX = "_URL"
@@ -51,27 +59,48 @@ def check_key_name(name: str) -> str:
     return name
 
 
+def _not_sent(name: str) -> EnhancerError:
+    """The one refusal for a key that is unset, unbound or bound elsewhere: it names only what the workflow gave."""
+    return EnhancerError(
+        f"the key in {name} (api_key_env) was not sent: {_RULE} (under that address's path, when it has one); both "
+        f"must be set in the environment ComfyUI starts from, outside the workflow, so that a shared workflow cannot "
+        f"send your key elsewhere. Fix: set {name} to the key and {name}{URL_SUFFIX} to the address of the server it "
+        "belongs to, there, and use that server's base_url; or clear api_key_env when the server needs no key"
+    )
+
+
 def bound_key(name: str, root: ApiRoot) -> str | None:
     """The key to send to ``root``, read from the environment now (never stored); None when ``name`` is empty.
-    Raises, and nothing is sent, when the key is missing or bound to another server (rule 2)."""
+    Raises, and nothing is sent, when the key is missing or bound to another server (rule 2), with the same words
+    for both (``_not_sent``); only a malformed ``<name>_URL`` of a set key is named as such."""
     if not name:
         return None
     key = os.environ.get(name)
-    if not key:
-        raise EnhancerError(f"the environment variable {name} (api_key_env) is not set: set it to the server's API "
-                            "key in the environment ComfyUI starts from")
     bound_to = os.environ.get(name + URL_SUFFIX, "").strip()
-    if not bound_to:
-        raise EnhancerError(
-            f"{name} is set but {name}{URL_SUFFIX} is not, so the key was not sent: {_RULE} (set outside the "
-            f"workflow, so that a shared workflow cannot send your key elsewhere). Fix: set {name}{URL_SUFFIX} to the "
-            "address of the server this key belongs to, in the environment ComfyUI starts from"
-        )
-    allowed = parse_api_root(bound_to, what=name + URL_SUFFIX).origin
-    if allowed != root.origin:
-        raise EnhancerError(
-            f"the key in {name} is bound to {allowed} ({name}{URL_SUFFIX}) but base_url is {root.origin}, so the key "
-            f"was not sent: {_RULE}. Fix: use that server's base_url, or give this server its own "
-            f"{PREFIX}_<NAME> and {PREFIX}_<NAME>{URL_SUFFIX}"
-        )
+    if not key or not bound_to:
+        raise _not_sent(name)
+    # A bare address stands for its whole origin; an address with a path, for that path and what lies under it.
+    allowed = parse_api_root(bound_to, what=name + URL_SUFFIX, bare_path="")
+    if not allowed.covers(root):
+        raise _not_sent(name)
     return key
+
+
+def credential_id(name: str) -> str:
+    """What tells one credential from another in the result cache: the first 12 hex digits of sha256 over the
+    variable's name and the key, read now ("" without a key). Never the key; two keys give two ids."""
+    key = os.environ.get(name) if name else None
+    return hashlib.sha256(f"{name}\0{key}".encode()).hexdigest()[:12] if key else ""
+
+
+def trusted_server(root: ApiRoot, name: str) -> bool:
+    """Whether the server at ``root`` may put its own words (error messages, headers) into an error text: a server on
+    this machine (``url.is_loopback``), or the one the key in ``name`` is bound to (so reached with the key). Any
+    other host is one a workflow chose, maybe a service on the user's network that must not be read back into
+    ComfyUI: of its answers only the status is told."""
+    if is_loopback(root.host):
+        return True
+    try:
+        return bound_key(name, root) is not None
+    except EnhancerError:
+        return False

@@ -1,21 +1,31 @@
-"""Where local Prompt Enhancers are in ComfyUI's model folders (ComfyUI adapter: ``folder_paths``)."""
+"""Where local Prompt Enhancers are in ComfyUI's model folders (ComfyUI adapter: ``folder_paths``).
+
+Names obey ``paths``' rule (plain relative names, inside the model folder) and the walks visit each real folder once
+(``paths.walk``)."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import folder_paths
 
-from ..paths import SNAPSHOT_PREFIX, TEXT_ENCODERS_PREFIX, is_prompt_enhancer_file, snapshot_names, snapshot_path
+from ..paths import (
+    SNAPSHOT_PREFIX,
+    TEXT_ENCODERS_PREFIX,
+    inside,
+    is_prompt_enhancer_file,
+    read_small_json,
+    snapshot_names,
+    snapshot_path,
+    walk,
+)
 from .protocol import EnhancerError
 
 
 def _is_pe_folder(folder: Path) -> bool:
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
+    config = read_small_json(folder / "config.json")
+    if config is None:
         return (folder / "pe" / "config.json").is_file()
     return config.get("model_type") == "ministral3" and any(
         (folder / name).is_file() for name in ("tokenizer.json", "tekken.json")
@@ -26,7 +36,7 @@ def _text_encoder_pe_names() -> list[str]:
     names = {n for n in folder_paths.get_filename_list("text_encoders")
              if n.endswith(".safetensors") and is_prompt_enhancer_file(n)}
     for root in folder_paths.get_folder_paths("text_encoders"):
-        for current, dirs, _ in os.walk(root, followlinks=True):
+        for current, dirs, _ in walk(root):
             if _is_pe_folder(Path(current)) and Path(current) != Path(root):
                 names.add(os.path.relpath(current, root).replace(os.sep, "/"))
                 dirs.clear()
@@ -45,6 +55,6 @@ def pe_path(name: str) -> Path:
         return snapshot_path(name[len(SNAPSHOT_PREFIX):])
     relative = name.removeprefix(TEXT_ENCODERS_PREFIX)
     for root in folder_paths.get_folder_paths("text_encoders"):
-        if (Path(root) / relative).exists():
-            return Path(root) / relative
+        if (path := inside(root, relative, "text_encoders")).exists():
+            return path
     raise EnhancerError(f"'{name}' was not found under ComfyUI's models/text_encoders or models/diffusers")

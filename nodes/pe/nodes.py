@@ -96,8 +96,14 @@ class ErnieImagePERemote(io.ComfyNode):
 
 @functools.cache
 def result_cache() -> ResultCache:
-    """The process-wide result cache, persisted in ComfyUI's user directory."""
-    return ResultCache(Path(folder_paths.get_user_directory()) / "ernie_image" / "pe_cache.sqlite3")
+    """The process-wide result cache, persisted in ComfyUI's user directory: in the system user folder
+    ``user/__ernie_image/`` where the core has them (ComfyUI serves no ``__`` folder over ``/userdata``; a file left
+    in ``user/ernie_image/`` by an earlier version is moved there), else in ``user/ernie_image/`` as before."""
+    former = Path(folder_paths.get_user_directory()) / "ernie_image" / "pe_cache.sqlite3"
+    system_folder = getattr(folder_paths, "get_system_user_directory", None)  # older cores have none
+    if system_folder is None:
+        return ResultCache(former)
+    return ResultCache(Path(system_folder("ernie_image")) / "pe_cache.sqlite3", former=former)
 
 
 class ErnieImagePromptEnhance(io.ComfyNode):

@@ -5,7 +5,8 @@ Connection errors, timeouts, 408, 429 (Retry-After honoured) and 5xx are retried
 jitter; other 4xx fail at once; redirects are not followed. Each request is bounded (``bounded_http``): one deadline
 of ``timeout_s`` for the whole answer, a size cap, Cancel within a fraction of a second. The API key obeys
 ``key_policy`` and is read from the environment at each request, never stored. Error texts quote no answer beyond
-the server's own JSON error message, capped. No ComfyUI.
+the server's own JSON error message, capped, and only from a server on this machine or the one the key is bound to
+(``key_policy.trusted_server``): of any other host's answers only the status is told. No ComfyUI.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
 from .bounded_http import Answer, HttpFailure, exchange
-from .key_policy import bound_key, check_key_name
+from .key_policy import bound_key, check_key_name, credential_id, trusted_server
 from .protocol import Completion, EnhancerError, GenerationStopped, PromptSpec, ResultCallback, SamplingParams
 from .runtime import Runtime
 from .url import parse_api_root
@@ -33,6 +34,8 @@ _BACKOFF_BASE_S = 0.5
 _BACKOFF_CAP_S = 30.0
 _RETRY_AFTER_CAP_S = 120.0
 _MESSAGE_CHARS = 200  # the most of a server's own error message an error text quotes
+_UNQUOTED = ("its own words are not shown: only a server on this machine or the one an api_key_env key is bound to "
+             "is quoted")
 _NOW_S = 120.0  # a listing's `created` this close to now is the time of the listing (vLLM, SGLang), not a revision
 
 
@@ -131,11 +134,14 @@ class RemotePromptEnhancer:
 
     @property
     def identity(self) -> str:
-        """What produces the text: the API root, the model the server reports and, where it tells, its checkpoint.
+        """What produces the text: the API root, the model the server reports and, where it tells, its checkpoint;
+        and with a key, whose key (``credential_id``), so that a run without it cannot read what a keyed run paid for.
         Asked again at each read: a server can swap its checkpoint between two runs."""
         with self._lock:
             self._served = self._ask_served_model()
-            return f"remote:{self.root}|{self._served.id}|{self._served.revision}"
+            credential = credential_id(self.api_key_env)
+            return (f"remote:{self.root}|{self._served.id}|{self._served.revision}"
+                    + (f"|key:{credential}" if credential else ""))  # without a key: the identity of before
 
     def resolved_model(self) -> str:
         """The model to ask for: the given one, or the first listed by the server (asked once)."""
@@ -221,9 +227,10 @@ class RemotePromptEnhancer:
         except (KeyError, IndexError, TypeError) as error:
             raise EnhancerError(f"malformed answer from {url}: no choices[0].message.content") from error
         if not isinstance(content, str) or not content.strip():
+            reason = f" (finish_reason={str(choice.get('finish_reason'))[:40]!r})" if self._trusted() else ""
             raise EnhancerError(
-                f"{url} returned an empty enhanced prompt (finish_reason={choice.get('finish_reason')!r}); "
-                "check that the server runs the ERNIE-Image prompt enhancer"
+                f"{url} returned an empty enhanced prompt{reason}; check that the server runs the ERNIE-Image prompt "
+                "enhancer"
             )
         return Completion(content.strip(), truncated=choice.get("finish_reason") == "length")
 
@@ -276,22 +283,31 @@ class RemotePromptEnhancer:
     def _refuse_final(self, answer: Answer, url: str) -> None:
         """Raise for an answer that another attempt would not change: a redirect or a 4xx other than 408 and 429."""
         status = answer.status
+        trusted = self._trusted()
         if 300 <= status < 400:
+            target = f" to {_where(answer.headers.get('Location', ''), url)}" if trusted else ""
             raise EnhancerError(
-                f"{url} answered HTTP {status}, a redirect to {_where(answer.headers.get('Location', ''), url)}: "
-                "redirects are not followed (the prompt and any key go only to base_url); set base_url to the "
-                "server that answers"
+                f"{url} answered HTTP {status}, a redirect{target}: redirects are not followed (the prompt and any "
+                "key go only to base_url); set base_url to the server that answers"
             )
         if _retryable(status):
             return
-        said = server_message(answer.body)
+        said = server_message(answer.body) if trusted else None
+        unquoted = "" if trusted else f" ({_UNQUOTED})"
         if status in (401, 403):
             where = f"the key in ${self.api_key_env}" if self.api_key_env else "api_key_env (the server wants a key)"
             raise EnhancerError(f"{url} refused the request (HTTP {status}): check {where}"
-                                + (f" (the server says: {said})" if said else ""))
-        model = self.model or (self._served.id if self._served else "")
-        raise EnhancerError(f"{url} answered HTTP {status}" + (f": {said}" if said else "")
-                            + f" (check base_url and the model name {model!r})")
+                                + (f" (the server says: {said})" if said else unquoted))
+        listed = self._served.id[:_MESSAGE_CHARS] if self._served and trusted else ""  # the listing is its words too
+        model = self.model or listed
+        check = (f"check base_url and the model name {model!r}" if model
+                 else "check base_url, and give the model name in 'model'")
+        raise EnhancerError(f"{url} answered HTTP {status}" + (f": {said}" if said else unquoted) + f" ({check})")
+
+    def _trusted(self) -> bool:
+        """Whether this server's own words may appear in an error (``key_policy.trusted_server``), asked now: the
+        binding is read from the environment at each request."""
+        return trusted_server(self.root, self.api_key_env)
 
     def _sleep(self, seconds: float, stop: threading.Event) -> None:
         """Wait between attempts, listening for a stop request."""
@@ -301,13 +317,13 @@ class RemotePromptEnhancer:
                 return
             time.sleep(min(left, 0.1))
 
-    @staticmethod
-    def _decode(answer: Answer, url: str) -> dict:
+    def _decode(self, answer: Answer, url: str) -> dict:
         try:
             data = json.loads(answer.body)
         except ValueError as error:
             kind = (answer.headers.get("Content-Type") or "no content type").split(";")[0].strip()[:60]
-            raise EnhancerError(f"malformed answer from {url}: not JSON ({kind}, {len(answer.body)} bytes)") from error
+            kind = f"{kind}, " if self._trusted() else ""  # the header is the server's words too
+            raise EnhancerError(f"malformed answer from {url}: not JSON ({kind}{len(answer.body)} bytes)") from error
         if not isinstance(data, dict):
             raise EnhancerError(f"malformed answer from {url}: expected a JSON object, got {type(data).__name__}")
         return data

@@ -38,6 +38,11 @@ class ApiRoot:
         port = "" if self.port == _DEFAULT_PORTS[self.scheme] else f":{self.port}"
         return f"{self.scheme}://{host}{port}"
 
+    def covers(self, other: ApiRoot) -> bool:
+        """Whether ``other`` is this root or lies under it: the same origin, and ``other``'s path is this path or
+        goes on below it part by part (``/v1`` covers ``/v1/x``, not ``/v10``). An empty path covers the origin."""
+        return self.origin == other.origin and (other.path == self.path or other.path.startswith(self.path + "/"))
+
     def url(self, endpoint: str) -> str:
         """The URL of an endpoint under this root, e.g. ``url("chat/completions")``."""
         return f"{self.origin}{self.path}/{endpoint}"
@@ -46,8 +51,9 @@ class ApiRoot:
         return f"{self.origin}{self.path}"
 
 
-def parse_api_root(base_url: str, what: str = "base_url") -> ApiRoot:
-    """``base_url`` checked and split; ``what`` names the setting in errors. A bare host is its ``/v1``."""
+def parse_api_root(base_url: str, what: str = "base_url", bare_path: str = _DEFAULT_ROOT) -> ApiRoot:
+    """``base_url`` checked and split; ``what`` names the setting in errors. A bare host is its ``/v1`` (or
+    ``bare_path``: "" for an address that stands for the whole origin, as a key's bound address does)."""
     text = base_url.strip().rstrip("/")
     example = "e.g. http://127.0.0.1:8000 or https://host/v1"
     if not re.match(r"https?://", text, re.IGNORECASE):
@@ -65,7 +71,7 @@ def parse_api_root(base_url: str, what: str = "base_url") -> ApiRoot:
         raise EnhancerError(f"{what} must not carry a user name or password ('…@'): workflows are saved and shared; "
                             "give a key through api_key_env instead")
     host, port = _host_and_port(parts, text, what)
-    return ApiRoot(parts.scheme.lower(), host, port, _root_path(parts.path, what) or _DEFAULT_ROOT)
+    return ApiRoot(parts.scheme.lower(), host, port, _root_path(parts.path, what) or bare_path)
 
 
 def _invalid(what: str, text: str, reason: str) -> EnhancerError:
@@ -107,3 +113,17 @@ def _root_path(path: str, what: str) -> str:
             raise EnhancerError(f"{what} ends with {endpoint}: give the API root, the part before it "
                                 f"({root.removesuffix(endpoint) or '/v1'})")
     return root
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (as in ``ApiRoot.host``) is this machine by its address or name alone: 127.0.0.0/8, ::1
+    (also IPv4-mapped), ``localhost``. No name is resolved: what a name resolves to can change between the check and
+    the request."""
+    if host.rstrip(".") == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback

@@ -249,3 +249,15 @@ def remote(url: str, **options):
     from comfyui_ernie_image.nodes.pe.runtime import Runtime
 
     return RemotePromptEnhancer(url, runtime=Runtime(), **options)
+
+
+def key_not_sent(name: str) -> str:
+    """The pack's one refusal for a key in ``name`` that is unset, unbound or bound to another server (issue 24),
+    written out here so that a change of its words is seen."""
+    return (
+        f"the key in {name} (api_key_env) was not sent: api_key_env may name only ERNIE_PE_API_KEY or "
+        "ERNIE_PE_API_KEY_<NAME> (capitals, digits and _), and the key is sent only to the server whose address is in "
+        "the variable of the same name ending in _URL (under that address's path, when it has one); both must be set "
+        "in the environment ComfyUI starts from, outside the workflow, so that a shared workflow cannot send your key "
+        f"elsewhere. Fix: set {name} to the key and {name}_URL to the address of the server it belongs to, there, and "
+        "use that server's base_url; or clear api_key_env when the server needs no key")
