@@ -1,9 +1,11 @@
 """One ComfyUI process of the GPU end-to-end check (``gpu_e2e.py`` starts one per VRAM mode).
 
 ComfyUI 0.3.75 is imported in-process the way its ``main.py`` starts (arguments parsed, ``cuda_malloc`` chosen,
-the extra model paths and the custom nodes loaded, the pack under another folder name), and its own
-``PromptExecutor`` runs the API twins of ``tests/workflows/``: nodes run inside ``torch.inference_mode()`` and models
-are loaded, moved and freed by ComfyUI's model management, as in the server. Each workflow runs twice (the second
+the extra model paths and the custom nodes loaded, the pack under another folder name); the 0.12.1 fork
+(``--core fork``: ``hiddenswitch/pip-and-uv-installable-ComfyUI``, a source tree with ``comfy/cmd/``) the way its
+``comfyui`` command starts (``start_fork``). Either core's own ``PromptExecutor`` runs the API twins of
+``tests/workflows/``: nodes run inside ``torch.inference_mode()`` and models are loaded, moved and freed by
+ComfyUI's model management, as in the server. Each workflow runs twice (the second
 time with another prompt text and seed, so the text encoder runs again); after the local PE, ComfyUI's ``/free``
 (what the server's worker runs for it) and the Turbo workflow once more. One JSON line per run goes to ``--json``.
 
@@ -11,7 +13,13 @@ An emulated smaller card is this process's alone, whatever else runs on the GPU 
 may allocate no more than the card less a CUDA context (``set_per_process_memory_fraction``), and
 ``torch.cuda.mem_get_info``, which ComfyUI and the pack read for total and free memory, reports the card and what
 this process has not reserved of it. Missing ``av`` (ComfyUI's API imports it; absent on the GPU machine): a
-stand-in module while ComfyUI imports.
+stand-in module while ComfyUI imports (on the fork, also the few modules of ``FORK_STAND_INS``).
+
+Each run's row also holds the peak device memory NVML saw (``nvidia-ml-py``, sampled every 20 ms in a thread:
+every allocator's memory, comfy-aimdo's too, which torch's peak statistics do not see), whether the core streams
+models with dynamic VRAM (comfy-aimdo) and which patcher class manages each loaded model, and the model loads
+the core logged (``Requested to load``, ``loaded completely``/``partially``, ``prepared for dynamic VRAM
+loading``): a warm run that loads again what the first left loaded shows there.
 """
 
 from __future__ import annotations
@@ -29,24 +37,50 @@ import os
 import re
 import resource
 import sys
+import threading
 import time
 import types
 import uuid
+from collections import Counter
 from pathlib import Path
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.5  # what a CUDA context takes of a real card, outside torch's allocator
 NOTEWORTHY = re.compile(r"out of memory|retry|tiled|fall(s|ing)? back|fell back|loaded partially|recompile|"
                         r"compil(e|ing) the DiT|ERNIE-Image", re.IGNORECASE)
+# The model loads and unloads cores log, cut to what names them (0.3.75 logs them at INFO, the fork's patcher the
+# "loaded ..." lines at DEBUG and dynamic VRAM's staging at INFO; the fork has no "Requested to load").
+LOADS = re.compile(r"^(Requested to load \S+|loaded completely|loaded partially|Model \S+ prepared for dynamic VRAM "
+                   r"loading|Unloading \S+|Unloaded partially)")
+# Modules the fork imports at start-up that the GPU machine lacks and that neither the executor nor the twins' nodes
+# run: a stand-in while the fork imports, as for av (``_StandIn``). See scripts/newcore/gpu_carry.py.
+FORK_STAND_INS = (
+    "av",  # comfy_api's video and audio types (as on 0.3.75)
+    "opentelemetry.exporter",  # main_pre's OTLP exporters: made only for an --otel-exporter-otlp-endpoint
+)
 
 
-class _AvStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Empty modules for ``av`` and ``av.*`` (only while ComfyUI imports, and only where ``av`` is missing)."""
+class _StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Empty modules for ``names`` (packages, or subpackages such as ``opentelemetry.exporter``) and everything
+    under them, only while ComfyUI imports and only for those missing: any attribute is a new empty class, so that
+    ``from av import AudioFrame`` and annotations import."""
+
+    def __init__(self, names=("av",)):
+        self.names = tuple(name for name in names if not _importable(name))
+
+    def _covers(self, name: str) -> bool:
+        return any(name == n or name.startswith(n + ".") for n in self.names)
 
     def find_spec(self, name, path=None, target=None):
-        if name == "av" or name.startswith("av."):
+        if self._covers(name):
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
+
+    def remove(self) -> None:
+        """Out of ``sys.meta_path`` and ``sys.modules``: diffusers and transformers must not find a fake later."""
+        sys.meta_path.remove(self)
+        for name in [n for n in sys.modules if self._covers(n)]:
+            del sys.modules[name]
 
     def create_module(self, spec):
         module = types.ModuleType(spec.name)
@@ -64,15 +98,26 @@ class _AvStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # its parent package is missing
+        return False
+
+
 class LogNotes(logging.Handler):
     """The warnings, OOM retries and fallbacks ComfyUI and the pack log during a run."""
 
     def __init__(self):
         super().__init__(logging.DEBUG)
         self.lines: list[str] = []
+        self.loads: Counter = Counter()
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage().splitlines()[0][:300] if record.getMessage() else ""
+        load = LOADS.match(message)
+        if load:
+            self.loads[load.group(1)] += 1
         if record.levelno >= logging.WARNING or NOTEWORTHY.search(message):
             self.lines.append(f"{record.levelname}: {message}")
 
@@ -105,9 +150,8 @@ def start_comfyui(comfy_dir: Path, base_dir: Path, flags: list[str], card_gib: f
 
     if card_gib is not None:  # before ComfyUI's model management reads the card's size
         emulate_card(torch, card_gib)
-    stand_in = _AvStandIn() if importlib.util.find_spec("av") is None else None
-    if stand_in is not None:
-        sys.meta_path.insert(0, stand_in)
+    stand_in = _StandIn(("av",))
+    sys.meta_path.insert(0, stand_in)
     try:
         import execution
 
@@ -115,11 +159,176 @@ def start_comfyui(comfy_dir: Path, base_dir: Path, flags: list[str], card_gib: f
 
         asyncio.run(nodes.init_extra_nodes(init_custom_nodes=True, init_api_nodes=False))
     finally:
-        if stand_in is not None:  # diffusers and transformers must not find a fake av later
-            sys.meta_path.remove(stand_in)
-            for name in [n for n in sys.modules if n == "av" or n.startswith("av.")]:
-                del sys.modules[name]
+        stand_in.remove()  # diffusers and transformers must not find a fake av later
     return execution, nodes
+
+
+def start_fork(src: Path, base_dir: Path, flags: list[str], card_gib: float | None):
+    """Import the fork as its ``comfyui`` command starts (``comfy.cmd.main:entrypoint``), with ``flags``; returns
+    its ``comfy.cmd.execution`` module and its nodes (``ExportedNodes``).
+
+    The command's steps, in its order: ``comfy.cmd.main_pre`` (environment, arguments parsed, ``cuda_malloc``,
+    which loads comfy-aimdo's library under ``--fast dynamic_vram``, logging, the tracer), then
+    ``_start_comfyui``: the configuration in an execution context (kept for the process), the manager's start
+    (absent: nothing), the extra model paths, every node (``get_nodes()``: base, extras, the custom nodes) and
+    the output folders, less the HTTP server, its queue and its database (the assets API's).
+
+    Dynamic VRAM: the fork's ``comfy/aimdo_integration.py`` is upstream main.py's bring-up
+    (``comfy_aimdo.control.init_device``, ``CoreModelPatcher = ModelPatcherDynamic``,
+    ``memory_management.aimdo_allocator``), which nothing in the fork imports; it is imported where upstream's
+    ``start_comfyui`` runs it, once model management is up and before any node loads. It does nothing without
+    ``--fast dynamic_vram`` or where comfy-aimdo's library does not load (no CUDA driver). The emulated card
+    (``emulate_card``) comes before model management reads the card's size, as on 0.3.75."""
+    sys.argv = ["comfyui", *flags, "--cwd", str(base_dir), "--base-directory", str(base_dir),
+                "--disable-auto-launch", "--disable-known-models", "--disable-requests-caching",
+                "--database-url", f"sqlite:///{base_dir / 'comfy.db'}"]
+    sys.path.insert(0, str(src))
+    os.chdir(base_dir)
+    stand_in = _StandIn(FORK_STAND_INS)
+    sys.meta_path.insert(0, stand_in)
+    try:
+        importlib.import_module("comfy.cmd.main_pre")  # before torch: the allocator is chosen there
+        import torch
+
+        if "comfy.model_management" in sys.modules:
+            raise RuntimeError("the fork's model management loaded before the emulated card was set up")
+        if card_gib is not None:
+            emulate_card(torch, card_gib)
+        from comfy.cli_args import cli_args_configuration
+        from comfy.execution_context import context_configuration
+
+        context = context_configuration(cli_args_configuration())  # _start_comfyui's, for the whole process
+        context.__enter__()
+        import comfy.aimdo_integration  # noqa: F401  (dynamic VRAM: see above)
+        from comfy.cli_args import args
+        from comfy.cmd import execution, folder_paths, hook_breaker_ac10a0
+        from comfy.cmd.extra_model_paths import load_extra_path_config
+        from comfy.manager_integration import init_manager, prestartup
+        from comfy.manager_model_cache import init_manager_model_cache
+        from comfy.nodes_context import get_nodes
+
+        init_manager(args)
+        prestartup()
+        init_manager_model_cache(refresh_from_github=args.refresh_manager_models)
+        for config_path in args.extra_model_paths_config or []:
+            load_extra_path_config(config_path)
+        hook_breaker_ac10a0.save_functions()
+        nodes = get_nodes()
+        logging.info("the fork's nodes: %d", len(nodes.NODE_CLASS_MAPPINGS))  # imports them all (a lazy proxy)
+        hook_breaker_ac10a0.restore_functions()
+        for kind in ("checkpoints", "clip", "vae", "diffusion_models", "loras"):
+            folder_paths.add_model_folder_path(kind, os.path.join(folder_paths.get_output_directory(), kind))
+        folder_paths.create_directories()
+    finally:
+        stand_in.remove()
+    # The fork logs its patcher's loads at DEBUG ("loaded completely ...", "Unloading X"): LogNotes counts them,
+    # and the log shows them, but none of the other DEBUG lines there (one per layer at each partial load).
+    for name in ("comfy.model_patcher", "comfy.model_management"):
+        logging.getLogger(name).setLevel(logging.DEBUG)
+        logging.getLogger(name).addFilter(_load_lines_only)
+    return execution, nodes
+
+
+def _load_lines_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.INFO or bool(LOADS.match(record.getMessage()))
+
+
+def dynamic_vram_state() -> dict:
+    """Whether the core streams models with dynamic VRAM (comfy-aimdo): upstream's ``aimdo_enabled``, the fork's
+    ``aimdo_allocator``; and the class its loaders build models with (``CoreModelPatcher``)."""
+    import comfy.model_patcher
+
+    try:
+        import comfy.memory_management as memory
+    except ImportError:  # 0.3.75
+        memory = None
+    enabled = bool(getattr(memory, "aimdo_enabled", False) or getattr(memory, "aimdo_allocator", None) is not None)
+    core = getattr(comfy.model_patcher, "CoreModelPatcher", comfy.model_patcher.ModelPatcher)
+    return dict(dynamic_vram=enabled, core_patcher=core.__name__)
+
+
+def loaded_patchers() -> dict[str, str]:
+    """The models model management holds after a run: model class -> its patcher's class (the DiT is
+    ``ErnieImageModel``; ``ModelPatcherDynamic`` streams it with dynamic VRAM)."""
+    import comfy.model_management as mm
+
+    held: dict[str, str] = {}
+    for loaded in list(getattr(mm, "current_loaded_models", [])):
+        patcher = getattr(loaded, "model", None)
+        if patcher is not None:
+            name = type(getattr(patcher, "model", patcher)).__name__
+            held[name if name not in held else f"{name} #{len(held)}"] = type(patcher).__name__
+    return held
+
+
+class NvmlPeak:
+    """Device memory as NVML sees it, sampled every ``interval`` s in a thread while a run goes on: the whole
+    device's (``used``: every process and allocator, comfy-aimdo's ``cuMemCreate`` too, which torch's peak
+    statistics do not count) and this process's (where NVML lists processes); and, where comfy-aimdo is loaded,
+    what it counts as its own (``get_total_vram_usage``: this process's weights it streams and what torch allocated
+    through it). Nothing where NVML is missing (a CPU machine)."""
+
+    def __init__(self, interval: float = 0.02):
+        self.interval, self.handle, self.error, self.aimdo = interval, None, None, None
+        try:
+            import pynvml
+            import torch
+
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            try:
+                uuid_ = str(torch.cuda.get_device_properties(0).uuid)
+                self.handle = pynvml.nvmlDeviceGetHandleByUUID(("GPU-" + uuid_).encode())
+            except Exception:  # noqa: BLE001 - an older torch or driver: CUDA's first device is NVML's first too
+                self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception as error:  # noqa: BLE001 - no NVML: nothing sampled
+            self.error = f"{type(error).__name__}: {error}"[:120]
+        control = sys.modules.get("comfy_aimdo.control")
+        if self.handle is not None and getattr(control, "lib", None) is not None:
+            self.aimdo = control
+        self.peak = self.before = self.process_peak = self.aimdo_peak = 0
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _sample(self) -> None:
+        nvml, pid = self.nvml, os.getpid()
+        while True:
+            try:
+                self.peak = max(self.peak, nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
+                if self.aimdo is not None:
+                    self.aimdo_peak = max(self.aimdo_peak, self.aimdo.get_total_vram_usage())
+                mine = [p.usedGpuMemory or 0 for p in nvml.nvmlDeviceGetComputeRunningProcesses(self.handle)
+                        if p.pid == pid]
+                self.process_peak = max(self.process_peak, *mine, 0)
+            except Exception:  # noqa: BLE001 - processes not listed here: the device's figure stands
+                pass
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self):
+        if self.handle is not None:
+            self.before = self.peak = self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used
+            self.process_peak = self.aimdo_peak = 0
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._sample, name="nvml-peak", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def row(self) -> dict:
+        if self.handle is None:
+            return dict(nvml_error=self.error) if self.error else {}
+        row = dict(nvml_peak_gib=round(self.peak / GIB, 2), nvml_before_gib=round(self.before / GIB, 2))
+        if self.process_peak:
+            row["nvml_process_peak_gib"] = round(self.process_peak / GIB, 2)
+        if self.aimdo is not None:
+            row["aimdo_peak_gib"] = round(self.aimdo_peak / GIB, 2)
+        return row
 
 
 class _Server:
@@ -129,6 +338,8 @@ class _Server:
 
     client_id = "gpu-e2e-check"
     last_node_id = last_prompt_id = None
+    receive_all_progress_notifications = False  # the fork's progress hooks read these two
+    sockets_metadata: dict = {}  # no client connected: the fork's previews go in its newer format
 
     def __init__(self):
         self.started: list[tuple[str, float]] = []
@@ -174,8 +385,11 @@ def variant(graph: dict, run: int, pe_tokens: int, size: int | None, base_steps:
     return graph
 
 
-def run_prompt(execution, executor, graph: dict) -> dict:
-    """Validate and execute ``graph``; its time, result, peak GPU memory and log notes."""
+def run_prompt(execution, executor, graph: dict, nvml: NvmlPeak | None = None) -> dict:
+    """Validate and execute ``graph``; its time, result, peak GPU memory (torch's, and NVML's with ``nvml``), the
+    model loads logged, the patchers of the models held after it, and log notes."""
+    import contextlib
+
     import torch
 
     notes = LogNotes()
@@ -194,9 +408,10 @@ def run_prompt(execution, executor, graph: dict) -> dict:
         valid, error, outputs, node_errors = asyncio.run(execution.validate_prompt(prompt_id, graph, None))
         if not valid:
             return dict(ok=False, error=f"invalid: {error} {node_errors}"[:600], seconds=0.0, notes=notes.lines)
-        executor.execute(graph, prompt_id, {"client_id": _Server.client_id}, outputs)
-        if cuda:
-            torch.cuda.synchronize()
+        with nvml if nvml is not None else contextlib.nullcontext():
+            executor.execute(graph, prompt_id, {"client_id": _Server.client_id}, outputs)
+            if cuda:
+                torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         failure = next((data for kind, data in executor.status_messages if kind == "execution_error"), None)
         row = dict(ok=executor.success and failure is None, seconds=round(seconds, 2), notes=notes.lines,
@@ -208,21 +423,26 @@ def run_prompt(execution, executor, graph: dict) -> dict:
         if cuda:
             row.update(peak_allocated_gib=round(torch.cuda.max_memory_allocated() / GIB, 2),
                        peak_reserved_gib=round(torch.cuda.max_memory_reserved() / GIB, 2))
+        row.update(nvml.row() if nvml is not None else {}, loads=dict(notes.loads), patchers=loaded_patchers())
         return row
     finally:
         logging.getLogger().removeHandler(notes)
 
 
-def free(executor) -> dict:
-    """What the server's worker runs for ``POST /free`` (unload models, free memory); GPU memory before and after."""
+def free(executor, nvml: NvmlPeak | None = None) -> dict:
+    """What the server's worker runs for ``POST /free`` (unload models, free memory); GPU memory before and after
+    (torch's, and the device's as NVML sees it)."""
     import comfy.model_management as mm
     import torch
 
     def held() -> dict:
         if not torch.cuda.is_available():
             return {}
-        return dict(allocated_gib=round(torch.cuda.memory_allocated() / GIB, 2),
-                    reserved_gib=round(torch.cuda.memory_reserved() / GIB, 2))
+        state = dict(allocated_gib=round(torch.cuda.memory_allocated() / GIB, 2),
+                     reserved_gib=round(torch.cuda.memory_reserved() / GIB, 2))
+        if nvml is not None and nvml.handle is not None:
+            state["nvml_gib"] = round(nvml.nvml.nvmlDeviceGetMemoryInfo(nvml.handle).used / GIB, 2)
+        return state
 
     before = held()
     executor.reset()
@@ -232,9 +452,17 @@ def free(executor) -> dict:
     return dict(before=before, after=held())
 
 
+def detect_core(comfy_dir: Path) -> str:
+    """``fork`` for the pip-installable fork's layout (``comfy/cmd/main_pre.py``), else ``0.3.75`` (``main.py``,
+    ``execution.py`` and ``nodes.py`` at the top)."""
+    return "fork" if (comfy_dir / "comfy" / "cmd" / "main_pre.py").is_file() else "0.3.75"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--comfyui", type=Path, required=True)
+    parser.add_argument("--core", choices=("auto", "0.3.75", "fork"), default="auto",
+                        help="the core's layout (auto: by --comfyui's files)")
     parser.add_argument("--base", type=Path, required=True, help="ComfyUI's base directory (models/ linked inside)")
     parser.add_argument("--flags", default="", help="ComfyUI's command-line flags for this mode")
     parser.add_argument("--card-gib", type=float, help="emulate a card of this many GiB")
@@ -244,14 +472,20 @@ def main() -> None:
     parser.add_argument("--size", type=int, help="image size instead of the workflows' own")
     parser.add_argument("--base-steps", type=int, help="at most this many sampling steps")
     options = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(name)s: %(message)s")
-    execution, _ = start_comfyui(options.comfyui, options.base, options.flags.split(), options.card_gib)
+    core = detect_core(options.comfyui) if options.core == "auto" else options.core
+    if core == "fork":  # the fork sets up logging itself (main_pre), to stderr
+        execution, _ = start_fork(options.comfyui, options.base, options.flags.split(), options.card_gib)
+    else:
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(name)s: %(message)s")
+        execution, _ = start_comfyui(options.comfyui, options.base, options.flags.split(), options.card_gib)
     import torch
 
     executor = execution.PromptExecutor(_Server(), cache_type=execution.CacheType.CLASSIC,
                                         cache_args={"lru": 0, "ram": 0})
     facts = dict(allocator=torch.cuda.get_allocator_backend() if torch.cuda.is_available() else "cpu",
-                 torch=torch.__version__)
+                 torch=torch.__version__, core=core, **dynamic_vram_state())
+    print(f"== core {core}: {facts}", flush=True)
+    nvml = NvmlPeak()
     out = options.json.open("a")
 
     def record(workflow: str, run: str, row: dict) -> None:
@@ -265,12 +499,12 @@ def main() -> None:
         turbo = graph if path.stem == "ernie_image_turbo" else turbo
         for run, label in enumerate(("first", "warm")):
             record(path.stem, label, run_prompt(execution, executor, variant(
-                graph, run, options.pe_tokens, options.size, options.base_steps)))
+                graph, run, options.pe_tokens, options.size, options.base_steps), nvml))
         if path.stem == "ernie_image_pe_local":
-            record(path.stem, "/free", dict(ok=True, **free(executor)))
+            record(path.stem, "/free", dict(ok=True, **free(executor, nvml)))
             if turbo is not None:
                 record("ernie_image_turbo", "after /free", run_prompt(execution, executor, variant(
-                    turbo, 2, options.pe_tokens, options.size, options.base_steps)))
+                    turbo, 2, options.pe_tokens, options.size, options.base_steps), nvml))
 
 
 if __name__ == "__main__":

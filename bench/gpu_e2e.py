@@ -5,12 +5,19 @@
     python bench/gpu_e2e.py --modes card24,fp8-unet --workflows ernie_image_low_vram
     python bench/gpu_e2e.py --tier full --parallel 2   # two modes at once (each its own ComfyUI process)
     python bench/gpu_e2e.py --tiny --cpu          # the same on tiny models on the CPU (CI runs two workflows so)
+    python bench/gpu_e2e.py --core fork           # on the 0.12.1 fork (.gpu-fork/src), dynamic VRAM on
 
 Writes true-size random-weight models in the real layouts once (``e2e_models.py``; about 37 GB under ``--work``),
 then runs one ComfyUI process per mode (``e2e_worker.py``), each running the API twins of ``tests/workflows/`` that
 ComfyUI 0.3.75 can run (the native-ERNIE twin needs ComfyUI >= 0.19; the remote-PE twin needs a server: both are
 listed as not run). Prints a table (result or error, first-run and warm seconds, whole-run peak GPU memory, the
 warnings, OOM retries and fallbacks ComfyUI logged) and writes it with every run's JSON under ``--out``.
+
+``--core fork`` runs the pip-installable fork of ComfyUI (0.12.1, ``hiddenswitch/pip-and-uv-installable-ComfyUI``,
+``scripts/newcore/gpu_carry.py`` carries it to the GPU machine) instead of 0.3.75, with ``--fast dynamic_vram``
+(the fork's switch for dynamic VRAM, comfy-aimdo; ``--dynamic-vram off`` leaves it out). Each row says whether
+dynamic VRAM was on and which patcher class held each model, the peak device memory NVML saw next to torch's
+peaks, and the model loads the core logged (a warm run that loads again shows there).
 
 ``--parallel N`` runs N modes at once, to fit the whole matrix into a lease: each mode still has its own process,
 memory limit and result (an emulated card counts this process's memory alone), but its times then include the other
@@ -33,10 +40,14 @@ TWINS = REPO / "tests" / "workflows"
 # Turbo first (run again after /free), the PE before the FP8 workflow: the order a user might meet them in.
 WORKFLOWS = ("ernie_image_turbo", "ernie_image_turbo_single_files", "ernie_image_pe_local", "ernie_image_low_vram",
              "ernie_image_base", "ernie_image_cache_compile", "ernie_image_turbo_lora")
-NOT_RUN = {"ernie_image_turbo_native": "needs ComfyUI >= 0.19 (native ERNIE loaders); the check runs 0.3.75",
+NOT_RUN = {"ernie_image_turbo_native": "needs ComfyUI >= 0.19 (native ERNIE loaders); the check runs {core}",
            "ernie_image_pe_remote": "needs an OpenAI-compatible server; CPU tests run it against transformers serve"}
+CORES = {"0.3.75": "0.3.75", "fork": "the 0.12.1 fork"}
+FORK_DIRS = (REPO / ".gpu-fork" / "src", Path(os.environ.get("ERNIE_NEWCORE_WORK", "/tmp/newcore")) / "src")
 # name: (ComfyUI flags, emulated card GiB). An emulated card uses torch's own allocator: its memory fraction is a hard
-# limit there, as a real card's size is (ComfyUI's default, cudaMallocAsync, is kept in every other mode).
+# limit there, as a real card's size is (ComfyUI's default, cudaMallocAsync, is kept in every other mode). On the fork
+# with dynamic VRAM, comfy-aimdo maps the weights it streams outside torch's allocator: the NVML and aimdo columns
+# say whether the card still bounds them.
 MODES = {
     "default": ("", None), "lowvram": ("--lowvram", None), "novram": ("--novram", None),
     "card24": ("--disable-cuda-malloc", 24.0), "card16": ("--disable-cuda-malloc", 16.0),
@@ -81,8 +92,10 @@ def _run_worker(mode: str, args, models: Path, log, deadline: float) -> list[dic
     results = args.out / f"runs-{mode}.jsonl"
     results.unlink(missing_ok=True)
     base = base_directory(args.work, mode, models)
+    if args.core == "fork" and args.dynamic_vram == "on":
+        flags = (flags + " --fast dynamic_vram").strip()  # the fork's switch for dynamic VRAM (comfy-aimdo)
     command = [sys.executable, str(REPO / "bench" / "e2e_worker.py"), "--comfyui", str(args.comfyui),
-               "--base", str(base), "--flags=" + flags + (" --cpu" if args.cpu else ""),
+               "--core", args.core, "--base", str(base), "--flags=" + flags + (" --cpu" if args.cpu else ""),
                "--workflows", ",".join(str(TWINS / f"{w}.json") for w in args.workflows), "--json", str(results),
                "--pe-tokens", str(args.pe_tokens)]
     command += ["--card-gib", str(card)] if card else []
@@ -106,14 +119,53 @@ def _run_worker(mode: str, args, models: Path, log, deadline: float) -> list[dic
 def _peak(runs: list[dict]) -> str:
     allocated = max((r.get("peak_allocated_gib", 0) for r in runs), default=0)
     reserved = max((r.get("peak_reserved_gib", 0) for r in runs), default=0)
+    device = max((r.get("nvml_peak_gib", 0) for r in runs), default=0)
+    process = max((r.get("nvml_process_peak_gib", 0) for r in runs), default=0)
+    aimdo = max((r.get("aimdo_peak_gib", -1) for r in runs), default=-1)
     ram = max((r.get("peak_rss_gib", 0) for r in runs), default=0)
-    return (f"{allocated:.1f} / {reserved:.1f}" if reserved else "-") + (f"; {ram:.0f}" if ram else "")
+    nvml = (f" / {device:.1f}" + (f" ({process:.1f})" if process else "")) if device else ""
+    nvml += f" / aimdo {aimdo:.1f}" if aimdo >= 0 else ""
+    return (f"{allocated:.1f} / {reserved:.1f}{nvml}" if reserved or device else "-") + (f"; {ram:.0f}" if ram else "")
 
 
-def table(rows: list[dict]) -> str:
-    """One line per mode and workflow: result, first-run and warm seconds, peak GiB, notes from ComfyUI's log."""
-    lines = ["| mode | workflow | result | first run s | warm s | peak GiB alloc / reserved; host RAM | log notes |",
-             "|---|---|---|---|---|---|---|"]
+def _patchers(runs: list[dict]) -> str:
+    """Dynamic VRAM on or off, and the DiT's patcher class (the other models' where no DiT was held)."""
+    dynamic = next((r["dynamic_vram"] for r in runs if "dynamic_vram" in r), None)
+    held = {name: patcher for r in runs for name, patcher in r.get("patchers", {}).items()}
+    dit = [patcher for name, patcher in held.items() if name.startswith("ErnieImageModel")]
+    shown = ", ".join(sorted(set(dit))) if dit else ", ".join(f"{n}: {p}" for n, p in sorted(held.items())) or "-"
+    if dynamic is None and not held:
+        return "-"
+    return ("-" if dynamic is None else "on" if dynamic else "off") + f": {shown}"
+
+
+def _loads(runs: list[dict]) -> str:
+    """The model loads each run logged (first, warm, after /free), short: ``load X`` (0.3.75's "Requested to load
+    X": X was not loaded), ``dynamic X`` (staged for dynamic VRAM), ``unload X``, and how many times the patchers
+    loaded completely or partially. A warm run that loads again shows here."""
+    short = (("Requested to load ", "load "), ("Model ", "dynamic "), ("Unloading ", "unload "))
+    parts = []
+    for r in runs:
+        if "loads" not in r:
+            continue
+        items = []
+        for line, n in r["loads"].items():
+            for prefix, word in short:
+                if line.startswith(prefix):
+                    line = word + line[len(prefix):].removesuffix(" prepared for dynamic VRAM loading")
+                    break
+            items.append(f"{line} ×{n}" if n > 1 else line)
+        parts.append(f"{r['run']}: {', '.join(items) or 'none'}")
+    return "loads " + "; ".join(parts) if parts else ""
+
+
+def table(rows: list[dict], core: str = "0.3.75") -> str:
+    """One line per mode and workflow: result, first-run and warm seconds, peak GiB (torch's allocated and
+    reserved, NVML's whole device (this process), comfy-aimdo's own count), dynamic VRAM and the DiT's patcher,
+    notes from ComfyUI's log (the model loads of each run first)."""
+    lines = ["| mode | workflow | result | first run s | warm s | peak GiB alloc / reserved / NVML device (process) / "
+             "aimdo; host RAM | dynamic VRAM: DiT patcher | log notes |",
+             "|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple[str, str], list[dict]] = {}
     for row in rows:
         groups.setdefault((row["mode"], row["workflow"]), []).append(row)
@@ -128,15 +180,17 @@ def table(rows: list[dict]) -> str:
                 f"{state.get('allocated_gib', '-')} / {state.get('reserved_gib', '-')} GiB" for state in
                 (held["before"], held["after"]))
         seconds = {run: f"{r['seconds']:.1f}" if r.get("seconds") else "-" for run, r in by_run.items()}
-        notes = sorted({note for r in runs for note in r.get("notes", [])})
+        notes = [n.replace("|", "/")[:200] for n in sorted({note for r in runs for note in r.get("notes", [])})]
+        if _loads(runs):
+            notes.insert(0, _loads(runs)[:400])
         slowest = list(by_run.get("warm", {}).get("nodes_s", {}).items())[:3]
         if slowest:  # where a warm prompt's time goes (model moves land in the node that needs the model)
             notes.insert(0, "warm: " + ", ".join(f"{node.split(' ', 1)[-1]} {s:.1f} s" for node, s in slowest))
         first = seconds.get("first", "-") + (f" (after /free {seconds['after /free']})" if "after /free" in seconds
                                              else "")
         lines.append(f"| {mode} | {workflow} | {result} | {first} | {seconds.get('warm', '-')} | {_peak(runs)} | "
-                     f"{'<br>'.join(n.replace('|', '/')[:200] for n in notes[:6]) or '-'} |")
-    lines += [f"| - | {name} | not run: {why} | | | | |" for name, why in NOT_RUN.items()]
+                     f"{_patchers(runs)} | {'<br>'.join(notes[:7]) or '-'} |")
+    lines += [f"| - | {name} | not run: {why.format(core=CORES[core])} | | | | | |" for name, why in NOT_RUN.items()]
     return "\n".join(lines)
 
 
@@ -149,13 +203,26 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="ComfyUI on the CPU (--cpu)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/ernie-e2e"), help="models and ComfyUI folders")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "out" / "e2e")))
-    parser.add_argument("--comfyui", type=Path, default=next(
-        (p for p in (REPO / ".gpu" / "comfyui", REPO / ".cache" / "comfyui") if (p / "main.py").is_file()), None))
+    parser.add_argument("--core", choices=("auto", *CORES), default="auto",
+                        help="0.3.75, or the 0.12.1 fork (auto: by --comfyui's layout; 0.3.75 without --comfyui)")
+    parser.add_argument("--comfyui", type=Path, help="the core's folder (default: .gpu/comfyui or .cache/comfyui; "
+                        "for the fork .gpu-fork/src or $ERNIE_NEWCORE_WORK/src)")
+    parser.add_argument("--dynamic-vram", choices=("on", "off"), default="on",
+                        help="the fork's --fast dynamic_vram (off: the fork's classic patcher)")
     parser.add_argument("--pe-tokens", type=int, default=64, help="the PE's max_new_tokens (the workflows: 2048)")
     parser.add_argument("--base-steps", type=int, help="cap the Base workflows' 50 steps (said in the table)")
     parser.add_argument("--deadline-s", type=float, default=560.0, help="stop starting modes after this")
     parser.add_argument("--parallel", type=int, default=1, help="modes run at once (their times then overlap)")
     args = parser.parse_args()
+    if args.comfyui is None:
+        fork = args.core == "fork"
+        candidates = FORK_DIRS if fork else (REPO / ".gpu" / "comfyui", REPO / ".cache" / "comfyui")
+        args.comfyui = next((p for p in candidates if (p / ("comfy/cmd/main_pre.py" if fork else "main.py")).is_file()),
+                            None)
+        if args.comfyui is None:
+            parser.error(f"no core found in {', '.join(map(str, candidates))}: pass --comfyui")
+    if args.core == "auto":
+        args.core = "fork" if (args.comfyui / "comfy" / "cmd" / "main_pre.py").is_file() else "0.3.75"
     args.workflows = args.workflows.split(",")
     modes = args.modes.split(",") if args.modes else TIERS[args.tier]
     deadline = time.time() + args.deadline_s
@@ -170,7 +237,7 @@ def main() -> None:
             if mode_log.is_file():
                 log.write(mode_log.read_text())
                 mode_log.unlink()
-    report = table(rows)
+    report = table(rows, args.core)
     if args.parallel > 1:
         report += f"\n\n(modes ran {args.parallel} at a time: each time includes the others' load on the machine)"
     (args.out / "e2e.md").write_text(report + "\n")
