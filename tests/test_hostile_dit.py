@@ -187,3 +187,23 @@ def test_a_comfy_quant_file_has_its_scales_checked_and_is_refused_in_words(tiny_
     name = hostile_file(tiny_models, placed, f"comfy-quant-{weight_scale}.safetensors", _comfy_quant(weight_scale))
     with pytest.raises(ErnieImageError, match=words):
         load(name)
+
+
+@pytest.mark.parametrize("attack", ["a tensor in two shards", "an index naming an absent shard"])
+def test_a_snapshot_whose_shards_disagree_is_refused(tiny_models, placed, attack):
+    """Two shards holding one tensor were merged silently (the last one read won); an index listing a shard that is
+    not there (an interrupted download) was not looked at."""
+    snapshot = linked_copy(tiny_models["snapshot"], placed("diffusers", "shards-" + attack.replace(" ", "-")))
+    transformer = snapshot / "transformer"
+    if attack == "a tensor in two shards":
+        extra = transformer / "diffusion_pytorch_model-extra.safetensors"
+        save_file({"final_linear.weight": torch.zeros(128, 64)}, extra)
+        words = (r"final_linear\.weight is in two shards of .*transformer \(diffusion_pytorch_model-extra\.safetensors "
+                 r"and diffusion_pytorch_model\.safetensors\): the folder mixes two downloads")
+    else:
+        index = {"weight_map": {"final_linear.weight": "diffusion_pytorch_model-00002-of-00002.safetensors"}}
+        (transformer / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index))
+        words = (r"index\.json lists the shard diffusion_pytorch_model-00002-of-00002\.safetensors, which is not in "
+                 r".*transformer: the download is incomplete")
+    with pytest.raises(ErnieImageError, match=words):
+        load(f"diffusers/{snapshot.name}")
