@@ -20,8 +20,9 @@ Only safetensors are read.
 from __future__ import annotations
 
 import copy
+import math
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -112,6 +113,45 @@ def _meta_model(config, source: str, what: str, error: type[ErnieImageError]):
     except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError, RuntimeError) as e:
         raise error(f"{source}: its config describes no Ministral 3 {what} that can be built ({e}). Download it "
                     "again.") from e
+
+
+def _numbers(value, path: str = "") -> Iterator[tuple[str, float]]:
+    """Every number in a config (nested dicts and lists), with where it is."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _numbers(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            yield from _numbers(item, f"{path}[{index}]")
+    elif isinstance(value, float):
+        yield path, value
+
+
+def read_config(config_class, folder: Path, what: str, error: type[ErnieImageError] = ErnieImageError):
+    """``config_class`` from ``folder``'s config.json, once every number in it is finite, its norm epsilon and rope
+    theta positive: a NaN or negative epsilon loaded and made NaN outputs, with no error."""
+    try:
+        config = config_class.from_pretrained(folder)
+    # transformers raises OSError, ValueError or TypeError for a config it cannot read, and huggingface_hub's
+    # StrictDataclassFieldValidationError (an Exception) for a field of the wrong type.
+    except Exception as e:
+        raise error(f"{folder / 'config.json'} is not a config of a Ministral 3 {what} ({e}). Download it "
+                    "again.") from e
+    for part in (config, getattr(config, "text_config", None)):
+        if part is None:
+            continue
+        bad = next(((path, number) for path, number in _numbers(part.to_dict()) if not math.isfinite(number)), None)
+        eps = getattr(part, "rms_norm_eps", 1e-5)
+        theta = (getattr(part, "rope_parameters", None) or {}).get("rope_theta", 1.0)
+        if bad is None and not (isinstance(eps, int | float) and 0 < eps < 1):
+            bad = ("rms_norm_eps", eps)
+        if bad is None and not (isinstance(theta, int | float) and theta > 0):
+            bad = ("rope_parameters.rope_theta", theta)
+        if bad is not None:
+            raise error(f"{folder / 'config.json'}: {bad[0]} is {bad[1]!r}, which no Ministral 3 {what} runs with (its "
+                        "numbers are finite, its rms_norm_eps between 0 and 1, its rope_theta positive). Download it "
+                        "again.")
+    return config
 
 
 @builds_weights

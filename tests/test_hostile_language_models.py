@@ -179,3 +179,23 @@ def test_a_text_encoder_snapshot_keeps_its_vision_tower_unread(tiny_models, plac
     ours = load("text encoder snapshot", name)
     assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), reference.state_dict().values(),
                                                  strict=True))
+
+
+@pytest.mark.parametrize("layout, config_changes, words", [
+    ("PE folder", {"rms_norm_eps": -1.0}, r"config\.json: rms_norm_eps is -1\.0, which no Ministral 3 prompt enhancer "
+                                          r"runs with"),
+    ("PE folder", {"rms_norm_eps": float("nan")}, r"config\.json: rms_norm_eps is nan"),
+    ("PE folder", {"rope_parameters.rope_theta": 0.0}, r"config\.json: rope_parameters\.rope_theta is 0\.0"),
+    ("PE folder", {"rope_parameters.factor": float("inf")}, r"config\.json: rope_parameters\.factor is inf"),
+    ("PE folder", {"head_dim": "128"}, r"config\.json is not a config of a Ministral 3 prompt enhancer \(Validation "
+                                       r"error for field 'head_dim'"),
+    ("text encoder snapshot", {"text_config.rms_norm_eps": float("nan")},
+     r"text_encoder/config\.json: text_config\.rms_norm_eps is nan, which no Ministral 3 text encoder runs with"),
+])
+def test_a_config_with_numbers_no_model_runs_with_is_refused(tiny_models, placed, layout, config_changes, words):
+    """A NaN or negative norm epsilon, a zero rope theta or an infinite rope factor loaded and made NaN outputs with
+    no error; a field of the wrong type raised huggingface_hub's raw validation error."""
+    name = hostile(tiny_models, placed, layout, "numbers-" + "-".join(config_changes).replace(".", "-"),
+                   config_changes=config_changes)
+    with pytest.raises(ErnieImageError, match=words):
+        load(layout, name)

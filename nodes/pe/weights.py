@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..ministral_file import load_ministral_folder, read_ministral_file
+from ..ministral_file import load_ministral_folder, read_config, read_ministral_file
 from ..model_files import read_json
 from .protocol import EnhancerError
 
@@ -88,7 +88,7 @@ def _load_folder(folder: Path, dtype: torch.dtype):
         raise EnhancerError(f"{folder} holds a {model_type!r} model; the ERNIE-Image prompt enhancer is 'ministral3'")
     if not any(folder.glob("*.safetensors")):
         raise EnhancerError(f"{folder} has no .safetensors weights (other weight formats are not loaded)")
-    config = Ministral3Config.from_pretrained(folder)
+    config = read_config(Ministral3Config, folder, "prompt enhancer", EnhancerError)
     model = load_ministral_folder(folder, config, dtype, what="prompt enhancer", error=EnhancerError,
                                   instead="download the prompt enhancer's folder again")
     if (folder / "generation_config.json").is_file():  # its stop tokens, as transformers' own folder loading reads

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ErnieImageError
-from ..ministral_file import load_ministral_folder, read_ministral_file
+from ..ministral_file import load_ministral_folder, read_config, read_ministral_file
 from ..model_files import read_json
 
 TEXT_ENCODER_CLASSES = ("Mistral3Model", "Mistral3ForConditionalGeneration")
@@ -48,8 +48,8 @@ class ErnieTextEncoder:
             raise ErnieImageError(
                 f"{encoder_dir} holds {architectures or 'no model config'}, not ERNIE-Image's Mistral3 text encoder."
             )
+        text_config = read_config(Mistral3Config, encoder_dir, "text encoder").text_config
         try:
-            text_config = Mistral3Config.from_pretrained(encoder_dir).text_config
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         except (OSError, ValueError) as e:
             raise ErnieImageError(f"Cannot load the text encoder in {snapshot} ({e}). Download it again.") from e
