@@ -19,6 +19,7 @@ Values are checked where the few tensors that carry them are read: ``check_scale
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -30,10 +31,10 @@ from .model_files import Header
 
 Shape = tuple[int, ...]
 
-# The per-tensor keys of the quantized layouts ComfyUI writes beside a layer's ``weight``: the scaled fp8 files'
-# ``scale_weight`` / ``scale_input``, and the newer comfy_quant layout's ``weight_scale`` / ``input_scale`` with a
-# ``comfy_quant`` description.
-SCALE_SUFFIXES = ("scale_weight", "scale_input", "weight_scale", "input_scale")
+# The keys of the quantized layouts ComfyUI writes beside a layer's ``weight``: the scaled fp8 files'
+# ``scale_weight`` / ``scale_input``, and the comfy_quant layout's ``weight_scale`` / ``input_scale`` (NVFP4 adds a
+# global ``weight_scale_2``) with a ``comfy_quant`` description (``quant_layout.py``).
+SCALE_SUFFIXES = ("scale_weight", "scale_input", "weight_scale", "input_scale", "weight_scale_2")
 QUANTIZED_SUFFIXES = (*SCALE_SUFFIXES, "comfy_quant")
 
 
@@ -43,7 +44,9 @@ class Architecture:
     device gives them for free). ``name`` and ``advice`` make the messages ("ERNIE-Image DiT", "Download it again");
     ``optional`` tensors may be absent (a tied ``lm_head``); ``ignored`` are whole names or, ending in ".", name
     prefixes of parts the pack does not use (a vision tower); ``quantized`` are the suffixes allowed beside an
-    expected ``<layer>.weight``; ``dtypes`` the safetensors dtypes its weights may have (None: any)."""
+    expected ``<layer>.weight``; ``dtypes`` the safetensors dtypes its weights may have (None: any); ``packed``
+    the weights a quantized format stores its own way (NVFP4 packs two values a byte): any dtype, the expected rows,
+    at most the expected size."""
 
     name: str
     expected: Mapping[str, Shape]
@@ -52,6 +55,7 @@ class Architecture:
     ignored: tuple[str, ...] = ()
     quantized: tuple[str, ...] = ()
     dtypes: frozenset[str] | None = field(default=None)
+    packed: frozenset[str] = frozenset()
 
 
 def natural(name: str) -> tuple:
@@ -70,21 +74,24 @@ def is_ignored(name: str, ignored: Iterable[str]) -> bool:
 
 
 def count_blocks(header: Header, prefix: str, most: int, source: str, what: str, advice: str,
-                 error: type[ErnieImageError] = ErnieImageError) -> int:
+                 error: type[ErnieImageError] = ErnieImageError, quantized: tuple[str, ...] = (),
+                 packed: frozenset[str] = frozenset()) -> int:
     """How many blocks ``<prefix><i>.…`` the header holds, once they are known to run from 0 without a gap, to be
-    at most ``most``, and each to have block 0's names and shapes. ``what`` names the model in messages."""
+    at most ``most``, and each to have block 0's names and shapes. ``what`` names the model in messages. Mixed
+    precision files quantize some blocks and not others: the ``quantized`` layout's keys are not compared, nor the
+    shapes of ``packed`` weights (``check_structure`` checks both)."""
     pattern = re.compile(re.escape(prefix) + r"(\d+)\.(.+)")
-    blocks: dict[int, dict[str, Shape]] = {}
+    blocks: dict[int, dict[str, Shape | None]] = {}
     for name, info in header.items():
         match = pattern.fullmatch(name)
-        if match is None:
+        if match is None or name.rpartition(".")[2] in quantized:
             continue
         digits = match.group(1)
         # Compared as text first: a hostile index of thousands of digits is past int()'s limit, and past the cap.
         if len(digits) > len(str(most)) or int(digits) >= most:
             raise error(f"{source} declares block {digits[:20]} ({name}): a {what} has at most {most} blocks, so the "
                         f"file is damaged or made to exhaust memory. {advice}")
-        blocks.setdefault(int(digits), {})[match.group(2)] = tuple(info.shape)
+        blocks.setdefault(int(digits), {})[match.group(2)] = None if name in packed else tuple(info.shape)
     if not blocks:
         return 0
     top = max(blocks)
@@ -104,12 +111,19 @@ def count_blocks(header: Header, prefix: str, most: int, source: str, what: str,
             name, more = _first(extra)
             raise error(f"{source} holds {prefix}{i}.{name}{more}, which block 0 does not have: the blocks differ, "
                         f"so it is not a {what}. {advice}")
-        wrong = [name for name, shape in block.items() if shape != first[name]]
+        wrong = [name for name, shape in block.items() if None not in (shape, first[name]) and shape != first[name]]
         if wrong:
             name, more = _first(wrong)
             raise error(f"{source} does not fit a {what}: {prefix}{i}.{name} has shape {list(block[name])}, block 0's "
                         f"has {list(first[name])}{more}. {advice}")
     return top + 1
+
+
+def _fits(info, shape: Shape, packed: bool) -> bool:
+    if tuple(info.shape) == tuple(shape):
+        return True
+    return (packed and len(info.shape) == len(shape) and info.shape[0] == shape[0]
+            and info.numel < math.prod(shape))
 
 
 def check_structure(header: Header, architecture: Architecture, source: str,
@@ -131,7 +145,7 @@ def check_structure(header: Header, architecture: Architecture, source: str,
     if missing:
         name, more = _first(missing)
         raise error(f"{source} is not a whole {arch.name}: {name} is missing{more}. {arch.advice}")
-    wrong = [name for name in used if tuple(header[name].shape) != tuple(expected[name])]
+    wrong = [name for name in used if not _fits(header[name], expected[name], name in arch.packed)]
     if wrong:
         name, more = _first(wrong)
         raise error(f"{source} does not fit the {arch.name}: {name} has shape {list(header[name].shape)}, the "
@@ -142,7 +156,7 @@ def check_structure(header: Header, architecture: Architecture, source: str,
         raise error(f"{source} holds an empty tensor {name} (shape {list(header[name].shape)}){more}: it is no "
                     f"{arch.name}. {arch.advice}")
     if arch.dtypes is not None:
-        odd = [name for name in used if header[name].dtype not in arch.dtypes]
+        odd = [name for name in used if header[name].dtype not in arch.dtypes and name not in arch.packed]
         if odd:
             name, more = _first(odd)
             raise error(f"{source} stores {name} as {header[name].dtype}{more}; the {arch.name}'s weights are "
@@ -169,12 +183,13 @@ def first_non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:
 def check_scales(tensors: Mapping[str, torch.Tensor], source: str, advice: str,
                  error: type[ErnieImageError] = ErnieImageError) -> None:
     """Every quantization scale (``SCALE_SUFFIXES``) finite and positive: the weights are multiplied by it, so a
-    NaN or infinite one makes a black image and a zero or negative one a garbage image, with no error."""
+    NaN or infinite one makes a black image and a zero or negative one a garbage image, with no error. A scale per
+    block of values (NVFP4's) may be zero, where the block is all zeros."""
     for name in sorted(tensors, key=natural):
         if not name.endswith(tuple("." + suffix for suffix in SCALE_SUFFIXES)):
             continue
         values = tensors[name].float()
-        bad = values[~(torch.isfinite(values) & (values > 0))]
+        bad = values[~(torch.isfinite(values) & ((values > 0) if values.numel() == 1 else (values >= 0)))]
         if bad.numel():
             raise error(f"{source}: the scale {name} is {bad.flatten()[0].item():g}; a scale must be a finite positive "
                         f"number (the weights are multiplied by it: this one would make a black or garbage image). "

@@ -19,7 +19,7 @@ from comfyui_ernie_image.nodes.dit.weights import REQUIRED_KEYS
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from helpers.bounded import run_bounded
 from helpers.files import linked_copy, replace_bytes
-from helpers.quant_files import scaled_fp8
+from helpers.quant_files import comfy_quant_fp8, nvfp4, scaled_fp8
 
 SNAPSHOT_CONFIG = "transformer/config.json"
 
@@ -158,34 +158,26 @@ def test_a_scale_per_row_is_refused_in_words(tiny_models, placed, shape, weight_
         load(name, weight_dtype)
 
 
-def _comfy_quant(weight_scale: float):
-    """ComfyUI's newer comfy_quant layout: fp8 weights, a ``weight_scale`` each and a ``comfy_quant`` description."""
-    description = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
-
-    def change(tensors):
-        quantized = {}
-        for k, v in tensors.items():
-            if k.startswith("layers.") and v.ndim == 2:
-                layer = k[: -len(".weight")]
-                quantized[k] = (v / 0.01).to(torch.float8_e4m3fn)
-                quantized[f"{layer}.weight_scale"] = torch.tensor(0.01 if layer != LAYER else weight_scale)
-                quantized[f"{layer}.comfy_quant"] = description.clone()
-            else:
-                quantized[k] = v
-        return quantized
-    return change
+def _quantized(layout, key: str, value: torch.Tensor):
+    """The tiny DiT in a comfy_quant ``layout`` (``helpers.quant_files``) with one of its scales replaced."""
+    return lambda tensors: {**layout(tensors), key: value}
 
 
-@pytest.mark.parametrize("weight_scale, words", [
-    (float("nan"), rf"the scale {LAYER}\.weight_scale is nan; a scale must be a finite positive number"),
-    (-2.0, rf"the scale {LAYER}\.weight_scale is -2; a scale must be a finite positive number"),
-    (0.01, r"is in ComfyUI's comfy_quant layout \(layers\.0\.mlp\.gate_proj\.comfy_quant\), which this pack does "
-           r"not load yet"),
+@pytest.mark.parametrize("layout, key, value, words", [
+    (comfy_quant_fp8, f"{LAYER}.weight_scale", torch.tensor(float("nan")), rf"the scale {LAYER}\.weight_scale is nan"),
+    (comfy_quant_fp8, f"{LAYER}.weight_scale", torch.tensor(-2.0), rf"the scale {LAYER}\.weight_scale is -2"),
+    (comfy_quant_fp8, f"{LAYER}.input_scale", torch.tensor(0.0), rf"the scale {LAYER}\.input_scale is 0"),
+    (nvfp4, f"{LAYER}.weight_scale_2", torch.tensor(float("inf")), rf"the scale {LAYER}\.weight_scale_2 is inf"),
+    (nvfp4, f"{LAYER}.weight_scale", torch.full((128, 4), float("nan")).to(torch.float8_e4m3fn),
+     rf"the scale {LAYER}\.weight_scale is nan"),
 ])
-def test_a_comfy_quant_file_has_its_scales_checked_and_is_refused_in_words(tiny_models, placed, weight_scale,
-                                                                            words):
-    name = hostile_file(tiny_models, placed, f"comfy-quant-{weight_scale}.safetensors", _comfy_quant(weight_scale))
-    with pytest.raises(ErnieImageError, match=words):
+def test_a_comfy_quant_scale_that_is_not_finite_and_positive_is_refused_by_key(tiny_models, placed, layout, key, value,
+                                                                                 words):
+    """ComfyUI's comfy_quant layout (fp8 with ``weight_scale`` / ``input_scale``, NVFP4 with block scales and a
+    global ``weight_scale_2``): its scales are checked as scaled fp8's are, before the weights are read."""
+    name = hostile_file(tiny_models, placed, f"comfy-quant-{key.rsplit('.', 1)[1]}-{value.flatten()[0].item()}"
+                                             ".safetensors", _quantized(layout, key, value))
+    with pytest.raises(ErnieImageError, match=words + r"; a scale must be a finite positive number"):
         load(name)
 
 

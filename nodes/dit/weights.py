@@ -22,6 +22,7 @@ import torch
 
 from ..errors import ErnieImageError
 from ..model_files import Header, read_folder_headers, read_header, read_json, read_safetensors, read_tensors
+from ..quant_layout import CONFIG_SUFFIX, SCALED_MARKER, header_metadata, split_quantization
 from ..structure import QUANTIZED_SUFFIXES, SCALE_SUFFIXES, Architecture, check_scales, check_structure, count_blocks
 from .dit import ErnieImageDiT
 
@@ -38,7 +39,6 @@ WHAT = "ERNIE-Image DiT"
 ADVICE = ("Download it again, or pick ernie-image.safetensors or ernie-image-turbo.safetensors (or a snapshot "
           "folder).")
 DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})  # what build.py holds or casts from
-SCALED_FP8_MARKER = "scaled_fp8"  # an empty tensor whose dtype names the fp8 format of a scaled fp8 file
 # Rank of each tensor the architecture is read off, in the words of the error when a file's differs.
 _READ_OFF = {"x_embedder.proj.weight": "[hidden, in_channels, patch, patch]",
              "layers.0.self_attention.norm_q.weight": "[head_dim]",
@@ -163,12 +163,13 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
 
-def check_dit_header(header: Header, source: str, declared: dict | None = None,
-                     config_source: str | None = None) -> dict:
+def check_dit_header(header: Header, source: str, declared: dict | None = None, config_source: str | None = None,
+                     metadata: dict[str, str] | None = None) -> dict:
     """The DiT's architecture once the header is known to hold exactly it: its blocks counted (and capped) first,
     then every name and shape against the DiT built on the meta device; ``declared`` is a snapshot's config
-    (``config_source`` names it), which must agree with what the shards hold. No tensor read, no module built
-    before the count is known."""
+    (``config_source`` names it), which must agree with what the shards hold; ``metadata``: the header's metadata
+    (0.3.75's comfy_quant layout names its quantized layers there). No tensor read, no module built before the
+    count is known."""
     check_dit_keys(list(header), source)
     for name, info in header.items():
         if name.endswith(".scale_weight") and info.numel != 1:
@@ -178,7 +179,10 @@ def check_dit_header(header: Header, source: str, declared: dict | None = None,
                 f"{source}: {name} has shape {list(info.shape)}, but this pack loads scaled fp8 files with one scale "
                 "per weight (a single number); per-row or per-block scales are not loaded. Use the bf16 file "
                 "(ernie-image-turbo.safetensors) or a scaled fp8 file with one scale per weight.")
-    count_blocks(header, "layers.", MAX_BLOCKS, source, WHAT, ADVICE)
+    # A comfy_quant layer's weight is stored in its format (NVFP4 packs two values a byte; quant_layout.py).
+    quantized = {k[: -len(CONFIG_SUFFIX)] for k in header if k.endswith(CONFIG_SUFFIX)}
+    packed = frozenset(f"{layer}.weight" for layer in quantized | set(split_quantization({}, metadata)[1].layers))
+    count_blocks(header, "layers.", MAX_BLOCKS, source, WHAT, ADVICE, quantized=QUANTIZED_SUFFIXES, packed=packed)
     inferred = config_from_state_dict(header, source)
     if declared is None:
         config = check_config(inferred, source)
@@ -190,8 +194,8 @@ def check_dit_header(header: Header, source: str, declared: dict | None = None,
                     f"{inferred[field]}: the config and the weights are not of one model, or one is damaged. "
                     "Download the snapshot again.")
         config = check_config(declared, config_source or source)
-    check_structure(header, Architecture(WHAT, expected_shapes(config), ADVICE, ignored=(SCALED_FP8_MARKER,),
-                                         quantized=QUANTIZED_SUFFIXES, dtypes=DTYPES), source)
+    check_structure(header, Architecture(WHAT, expected_shapes(config), ADVICE, ignored=(SCALED_MARKER,),
+                                         quantized=QUANTIZED_SUFFIXES, dtypes=DTYPES, packed=packed), source)
     return config
 
 
@@ -199,14 +203,9 @@ def _scale_keys(keys) -> list[str]:
     return [k for k in keys if k.endswith(tuple("." + suffix for suffix in SCALE_SUFFIXES))]
 
 
-def _check_quantized_values(scales: dict[str, torch.Tensor], keys, source: str) -> None:
-    """The scales' values (read alone: a few numbers), then the layouts this pack does not run."""
+def _check_scale_values(scales: dict[str, torch.Tensor], source: str) -> None:
+    """The scales' values, read alone (a few numbers) before the weights."""
     check_scales(scales, source, "The file is damaged: download it again, or use the bf16 file.")
-    comfy_quant = [k for k in keys if k.endswith((".comfy_quant", ".weight_scale", ".input_scale"))]
-    if comfy_quant:
-        raise ErnieImageError(
-            f"{source} is in ComfyUI's comfy_quant layout ({sorted(comfy_quant)[0]}), which this pack does not load "
-            "yet. Use ernie-image-turbo.safetensors (bf16) or a scaled fp8 file (scale_weight).")
 
 
 # Where the community's single files put the released keys (ComfyUI's checkpoint layout); bare keys are the repack's.
@@ -225,9 +224,9 @@ def read_single_file(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     prefix = _prefix(header)
     # Under a prefix, the file's other keys are the other models of a checkpoint (its VAE, text encoder): not read.
     dit = {k[len(prefix):]: v for k, v in header.items() if k.startswith(prefix)}
-    config = check_dit_header(dit, str(path))  # before reading gigabytes, or building anything
+    config = check_dit_header(dit, str(path), metadata=header_metadata(path))  # before reading or building anything
     scales = read_safetensors(path, [prefix + k for k in _scale_keys(dit)])
-    _check_quantized_values({k[len(prefix):]: v for k, v in scales.items()}, dit, str(path))
+    _check_scale_values({k[len(prefix):]: v for k, v in scales.items()}, str(path))
     state_dict = {k[len(prefix):]: v for k, v in read_safetensors(path, [prefix + k for k in dit]).items()}
     return state_dict, config
 
@@ -244,8 +243,8 @@ def read_transformer_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict
             f"{folder} holds a {class_name}, not an ERNIE-Image transformer. Pick an ERNIE-Image snapshot folder."
         )
     header, where = read_folder_headers(folder)  # a truncated shard is named here
-    config = check_dit_header(header, str(folder), config, str(config_path))
-    _check_quantized_values(read_tensors(where, _scale_keys(header)), header, str(folder))
+    config = check_dit_header(header, str(folder), config, str(config_path), header_metadata(folder))
+    _check_scale_values(read_tensors(where, _scale_keys(header)), str(folder))
     return read_tensors(where, header), config
 
 
