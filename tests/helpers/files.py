@@ -67,8 +67,3 @@ def in_model_folder(models_dir: Path, folder: str, name: str) -> Iterator[Path]:
         else:
             path.unlink(missing_ok=True)
 
-
-def without_layer(index: int, prefix: str) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-    """A ``rewrite_safetensors`` change that drops every tensor of layer ``index`` (``<prefix><index>.…``)."""
-    return lambda tensors: {k: v for k, v in tensors.items() if not k.startswith(f"{prefix}{index}.")}
-
