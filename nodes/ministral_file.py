@@ -1,27 +1,209 @@
-"""Ministral 3 language models in ComfyUI's single-file layout (engine: no ComfyUI here).
+"""Ministral 3 language models from safetensors, checked before anything is built (engine: no ComfyUI here).
 
-ComfyUI's repacks of ERNIE-Image's text encoder (``ministral-3-3b.safetensors``) and Prompt Enhancer
-(``ernie-image-prompt-enhancer.safetensors``) hold the language model's keys plus the Mistral tokenizer as a
-``tekken_model`` entry (ComfyUI's own Ministral 3 loader reads it from there). There is no config: the geometry is
-read off the weight shapes, the rotary settings are Ministral 3's defaults. Only safetensors are read.
+The text encoder and the Prompt Enhancer are both Ministral 3 language models, found in three layouts:
+
+- a Hugging Face folder with ``config.json`` and shards: a snapshot's ``text_encoder/`` (a ``Mistral3Model``, whose
+  language model alone is loaded: the vision tower is never used), its ``pe/`` (``Ministral3ForCausalLM``), or a PE
+  folder;
+- ComfyUI's repacks ``ministral-3-3b.safetensors`` and ``ernie-image-prompt-enhancer.safetensors``: the language
+  model's keys plus the Mistral tokenizer as a ``tekken_model`` entry (ComfyUI's own Ministral 3 loader reads it
+  from there). There is no config: the geometry is read off the weight shapes, the rotary settings are Ministral 3's
+  defaults.
+
+Whatever the layout, the language model's keys are those under what precedes ``embed_tokens.weight``. Before any
+weight is read, the header is checked against the model built from the config on the ``meta`` device
+(``structure``): layers counted and capped, every tensor there with its shape (a missing one would be left at random
+values by transformers, silently), nothing unknown. transformers' own loading report is the second guard.
+Only safetensors are read.
 """
 
 from __future__ import annotations
 
-import re
+import copy
+import math
 import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 
 from .errors import ErnieImageError
-from .model_files import builds_weights, read_safetensors, safetensors_keys
+from .model_files import Header, builds_weights, read_folder_headers, read_header, read_safetensors, read_tensors
+from .structure import Architecture, check_structure, count_blocks, is_ignored
 
 HEAD_DIM = 128  # every Ministral 3 model has 128-wide attention heads
-_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "model.lm_head.": "lm_head."}
+# Ministral 3 3B has 26 layers and the deepest open language models about 126 (Llama 3.1 405B): a count past 512 is
+# a damaged or hostile file (one stray 128-byte tensor "model.layers.500.…" made the loader build 501 layers, 498 of
+# them random), refused before a layer is built.
+MAX_LAYERS = 512
+# Parts of the files that the pack does not use, never read: the snapshot text encoder's vision tower and projector,
+# and the tokenizer blob of ComfyUI's repacks (read apart, as the tokenizer).
+IGNORED = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.",
+           "tekken_model")
+LM_HEADS = ("lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight")
+LM_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})  # anything else is a quantized file
+
+
+class LanguageModelLayout:
+    """Where a file keeps its language model: the keys under what precedes ``embed_tokens.weight`` (its
+    ``prefix``), and an ``lm_head.weight`` beside them. Maps the file's keys to the names of a ``…ForCausalLM``
+    (``model.layers.0.…``, ``lm_head.weight``) and back, so that errors name the file's own keys."""
+
+    def __init__(self, header: Header, source: str, what: str, instead: str, error: type[ErnieImageError]):
+        embeddings = [k for k in header if k.endswith("embed_tokens.weight") and not is_ignored(k, IGNORED)]
+        if not embeddings:
+            raise error(f"{source} is not a Ministral 3 {what} (it has no token embeddings): {instead}")
+        if len(embeddings) > 1:
+            raise error(f"{source} holds two language models ({embeddings[0]} and {embeddings[1]}): {instead}")
+        self.prefix = embeddings[0][: -len("embed_tokens.weight")]
+        self.model_names: dict[str, str] = {}  # the file's language-model keys → the model's names
+        self.file_names: dict[str, str] = {}  # and back
+        for key in header:
+            if is_ignored(key, IGNORED):
+                continue
+            name = "lm_head.weight" if key in LM_HEADS else (
+                "model." + key[len(self.prefix):] if key.startswith(self.prefix) else None)
+            if name is None:
+                continue
+            if name in self.file_names:
+                raise error(f"{source} holds {self.file_names[name]} and {key}, two copies of the {what}'s {name}: "
+                            f"{instead}")
+            self.model_names[key], self.file_names[name] = name, key
+
+    def file_name(self, name: str) -> str:
+        """The file's key for the model's ``name`` (what it would be called there when it is missing)."""
+        if name in self.file_names:
+            return self.file_names[name]
+        return self.prefix + name[len("model."):] if name.startswith("model.") else name
+
+
+def _config_from_header(header: Header, layout: LanguageModelLayout, layers: int, source: str, what: str,
+                        error: type[ErnieImageError]):
+    """The Ministral 3 geometry read off the weight shapes (rope settings: Ministral 3's defaults)."""
+    from transformers import Ministral3Config
+
+    read_off = [layout.file_name(name) for name in (
+        "model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight")]
+    for key in read_off:
+        if key not in header:
+            raise error(f"{source} is not a Ministral 3 {what} (missing '{key}')")
+        if len(header[key].shape) != 2 or 0 in header[key].shape:
+            raise error(f"{source} is not a Ministral 3 {what}: {key} has shape {list(header[key].shape)}, not "
+                        "[rows, columns]")
+    vocab, hidden = header[read_off[0]].shape
+    query, key, intermediate = (header[k].shape[0] for k in read_off[1:])
+    if query % HEAD_DIM or key % HEAD_DIM:
+        raise error(f"{source} is not a Ministral 3 {what}: its attention projections ({query}, {key} rows) are not "
+                    f"whole {HEAD_DIM}-wide heads")
+    return Ministral3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=query // HEAD_DIM, num_key_value_heads=key // HEAD_DIM, head_dim=HEAD_DIM,
+        tie_word_embeddings="lm_head.weight" not in layout.file_names,
+    )
+
+
+def _meta_model(config, source: str, what: str, error: type[ErnieImageError]):
+    """The language model of ``config`` on the meta device: its names and shapes, without allocating."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError, RuntimeError) as e:
+        raise error(f"{source}: its config describes no Ministral 3 {what} that can be built ({e}). Download it "
+                    "again.") from e
+
+
+def _numbers(value, path: str = "") -> Iterator[tuple[str, float]]:
+    """Every number in a config (nested dicts and lists), with where it is."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _numbers(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            yield from _numbers(item, f"{path}[{index}]")
+    elif isinstance(value, float):
+        yield path, value
+
+
+def read_config(config_class, folder: Path, what: str, error: type[ErnieImageError] = ErnieImageError):
+    """``config_class`` from ``folder``'s config.json, once every number in it is finite, its norm epsilon and rope
+    theta positive: a NaN or negative epsilon loaded and made NaN outputs, with no error."""
+    try:
+        config = config_class.from_pretrained(folder)
+    # transformers raises OSError, ValueError or TypeError for a config it cannot read, and huggingface_hub's
+    # StrictDataclassFieldValidationError (an Exception) for a field of the wrong type.
+    except Exception as e:
+        raise error(f"{folder / 'config.json'} is not a config of a Ministral 3 {what} ({e}). Download it "
+                    "again.") from e
+    for part in (config, getattr(config, "text_config", None)):
+        if part is None:
+            continue
+        bad = next(((path, number) for path, number in _numbers(part.to_dict()) if not math.isfinite(number)), None)
+        eps = getattr(part, "rms_norm_eps", 1e-5)
+        theta = (getattr(part, "rope_parameters", None) or {}).get("rope_theta", 1.0)
+        if bad is None and not (isinstance(eps, int | float) and 0 < eps < 1):
+            bad = ("rms_norm_eps", eps)
+        if bad is None and not (isinstance(theta, int | float) and theta > 0):
+            bad = ("rope_parameters.rope_theta", theta)
+        if bad is not None:
+            raise error(f"{folder / 'config.json'}: {bad[0]} is {bad[1]!r}, which no Ministral 3 {what} runs with (its "
+                        "numbers are finite, its rms_norm_eps between 0 and 1, its rope_theta positive). Download it "
+                        "again.")
+    return config
 
 
 @builds_weights
+def load_ministral(header: Header, where: Mapping[str, Path], config, dtype: torch.dtype, *, source: str, what: str,
+                   instead: str, error: type[ErnieImageError] = ErnieImageError, lm_head: bool = True):
+    """A ``…ForCausalLM`` (CPU, eval mode) from the tensors ``header`` declares and ``where`` holds, once the header
+    is known to hold exactly the model: ``config`` (None: read off the shapes, for ComfyUI's repacks) must agree with
+    it. ``lm_head=False``: the head is not used (the text encoder), so it is neither read nor needed."""
+    advice = f"Download it again, or {instead}"
+    layout = LanguageModelLayout(header, source, what, instead, error)
+    if any(header[key].dtype not in LM_DTYPES for key in layout.model_names):
+        raise error(f"{source} holds quantized weights; load the bf16/fp16 {what} file instead")
+    layers = count_blocks(header, layout.prefix + "layers.", MAX_LAYERS, source, f"Ministral 3 {what}", advice, error)
+    inferred = config is None
+    if inferred:
+        config = _config_from_header(header, layout, layers, source, what, error)
+    elif config.num_hidden_layers != layers:
+        raise error(f"{source}: its config says num_hidden_layers {config.num_hidden_layers!r}, but its weights hold "
+                    f"{layers} layers: the config and the weights are not of one model, or one is damaged. {advice}")
+    config = copy.deepcopy(config)
+    if not lm_head:
+        config.tie_word_embeddings = True  # the head shares the embeddings: nothing to read, nothing random
+    meta = _meta_model(config, source, what, error)
+    expected = {name: tuple(t.shape) for name, t in meta.state_dict().items() if lm_head or name != "lm_head.weight"}
+    optional = {layout.file_name("lm_head.weight")} if config.tie_word_embeddings else set()
+    check_structure(header, Architecture(f"Ministral 3 {what}", {layout.file_name(n): s for n, s in expected.items()},
+                                         advice, optional=frozenset(optional),
+                                         ignored=IGNORED if lm_head else (*IGNORED, *LM_HEADS)), source, error)
+    wanted = [key for key, name in layout.model_names.items() if name in expected]
+    state = {layout.model_names[key]: tensor for key, tensor in read_tensors(where, wanted).items()}
+    if inferred and "lm_head.weight" in state:
+        config.tie_word_embeddings = torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+    # sdpa always: a config.json may name another implementation (eager, or flash_attention_2 that is not
+    # installed), and the pack's PE decoding and the reference embeddings are sdpa's.
+    model, info = type(meta).from_pretrained(None, config=config, state_dict=state, dtype=dtype,
+                                             attn_implementation="sdpa", output_loading_info=True)
+    random = set(info["missing_keys"]) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    left = sorted(random | set(info["mismatched_keys"]))
+    if left or info["error_msgs"]:
+        raise error(f"{source}: transformers could not load {left[:3] or info['error_msgs'][:1]} of the {what} (it "
+                    f"would have left them at random values). {advice}")
+    return model.eval()
+
+
+def load_ministral_folder(folder: Path, config, dtype: torch.dtype, *, what: str, instead: str,
+                          error: type[ErnieImageError] = ErnieImageError, lm_head: bool = True):
+    """``load_ministral`` from a Hugging Face folder's safetensors shards (its ``config`` already read)."""
+    header, where = read_folder_headers(folder, error)
+    return load_ministral(header, where, config, dtype, source=str(folder), what=what, instead=instead, error=error,
+                          lm_head=lm_head)
+
+
 def read_ministral_file(
     path: Path,
     dtype: torch.dtype,
@@ -30,48 +212,22 @@ def read_ministral_file(
     instead: str,
     chat_template: str | None = None,
     error: type[ErnieImageError] = ErnieImageError,
+    lm_head: bool = True,
 ):
-    """``(Ministral3ForCausalLM, tokenizer)`` from one ComfyUI-style file, on the CPU in eval mode.
+    """``(…ForCausalLM, tokenizer)`` from one ComfyUI-style file, on the CPU in eval mode.
 
     ``what`` names the model in errors ("text encoder", "prompt enhancer"), ``instead`` says what to load when the
-    file cannot be used, ``chat_template`` is given to the tokenizer, ``error`` is the exception type raised.
+    file cannot be used, ``chat_template`` is given to the tokenizer, ``error`` is the exception type raised;
+    ``lm_head=False``: the head is not used (the text encoder).
     """
-    from transformers import Ministral3ForCausalLM
-
-    keys = safetensors_keys(path)  # a wrong file is refused before it is read
-    if not any(k.endswith("embed_tokens.weight") for k in keys):
-        raise error(f"{path.name} is not a Ministral 3 {what} (it has no token embeddings): {instead}")
-    if "tekken_model" not in keys:
-        raise error(f"{path.name} carries no tokenizer (no 'tekken_model' entry, as in ComfyUI's repack): {instead}")
-    state = read_safetensors(path)
-    tekken = state.pop("tekken_model")
-    for old, new in _PREFIXES.items():
-        state = {new + k[len(old):] if k.startswith(old) else k: v for k, v in state.items()}
-    if any(not v.is_floating_point() or v.element_size() < 2 for v in state.values()):
-        raise error(f"{path.name} holds quantized weights; load the bf16/fp16 {what} file instead")
-    config = _config_from_state(state, path, what, error)
-    model = Ministral3ForCausalLM.from_pretrained(None, config=config, state_dict=state, dtype=dtype)
-    return model.eval(), _tekken_tokenizer(tekken, chat_template, instead, error)
-
-
-def _config_from_state(state: dict[str, torch.Tensor], path: Path, what: str, error: type[ErnieImageError]):
-    """The Ministral 3 geometry read off the weight shapes (rope settings: Ministral 3's defaults)."""
-    from transformers import Ministral3Config
-
-    try:
-        vocab, hidden = state["model.embed_tokens.weight"].shape
-        layers = 1 + max(int(m.group(1)) for k in state if (m := re.match(r"model\.layers\.(\d+)\.", k)))
-        query = state["model.layers.0.self_attn.q_proj.weight"].shape[0]
-        key = state["model.layers.0.self_attn.k_proj.weight"].shape[0]
-        intermediate = state["model.layers.0.mlp.gate_proj.weight"].shape[0]
-    except (KeyError, ValueError) as e:
-        raise error(f"{path.name} is not a Ministral 3 {what} (missing {e})") from e
-    tied = "lm_head.weight" not in state or torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
-    return Ministral3Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=query // HEAD_DIM, num_key_value_heads=key // HEAD_DIM, head_dim=HEAD_DIM,
-        tie_word_embeddings=tied,
-    )
+    header = read_header(path)  # a wrong file is refused before it is read
+    LanguageModelLayout(header, str(path), what, instead, error)
+    if "tekken_model" not in header:
+        raise error(f"{path} carries no tokenizer (no 'tekken_model' entry, as in ComfyUI's repack): {instead}")
+    model = load_ministral(header, dict.fromkeys(header, path), None, dtype, source=str(path), what=what,
+                           instead=instead, error=error, lm_head=lm_head)
+    (tekken,) = read_safetensors(path, ["tekken_model"]).values()
+    return model, _tekken_tokenizer(tekken, chat_template, instead, error)
 
 
 def _tekken_tokenizer(tekken: torch.Tensor, chat_template: str | None, instead: str, error: type[ErnieImageError]):

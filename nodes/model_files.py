@@ -7,7 +7,9 @@ Only safetensors are ever loaded by the pack: no pickles, no remote code.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from math import prod
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
@@ -42,21 +44,66 @@ def _check_exists(path: Path) -> None:
         raise ErnieImageError(f"Model file not found: {path}. Put it there or pick another file.")
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of one safetensors file, or an error that names the file when it cannot be read."""
-    _check_exists(path)
+# A safetensors header lists every tensor's name, dtype, shape and offsets as JSON. An 8B DiT's is about 100 KB
+# (some 400 tensors); 8 MiB holds some 100 000. safetensors itself parses up to 100 MB, about 20 s of CPU for the
+# ~1.4 million names that fit there: a file that only wastes time. Refused before it is parsed.
+MAX_HEADER_BYTES = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as the file's header declares it (no data read): its shape and safetensors dtype name (``BF16``,
+    ``F32``, ``F8_E4M3``, ``U8``, …)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+
+Header = dict[str, TensorInfo]
+
+
+def _check_header_size(path: Path) -> None:
     try:
-        return load_file(str(path))
+        with path.open("rb") as f:
+            declared = int.from_bytes(f.read(8), "little")
+    except OSError as e:
+        raise _unreadable(path, e) from e
+    if declared > MAX_HEADER_BYTES:
+        raise ErnieImageError(
+            f"{path} declares a {declared / 2**20:.0f} MiB list of tensors (model files have well under "
+            f"{MAX_HEADER_BYTES // 2**20} MiB): it is not a model file this pack loads. Pick the model's own "
+            "safetensors file."
+        )
+
+
+def read_safetensors(path: Path, keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of one safetensors file (or only ``keys``), or an error that names the file when it cannot be
+    read."""
+    _check_exists(path)
+    _check_header_size(path)
+    try:
+        if keys is None:
+            return load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in keys}
     except (SafetensorError, OSError) as e:
         raise _unreadable(path, e) from e
 
 
-def _header_keys(path: Path) -> list[str]:
-    """The tensor names from the file's header; safetensors checks there that the file is as long as its header
+def read_header(path: Path) -> Header:
+    """Every tensor's name, shape and dtype from the file's header alone: a wrong or hostile file is refused before
+    any of its data is read or any model is built. safetensors checks there that the file is as long as its header
     says, so a truncated file fails here, cheaply, with its name."""
+    _check_exists(path)
+    _check_header_size(path)
     try:
         with safe_open(str(path), framework="pt") as f:
-            return list(f.keys())
+            return {name: TensorInfo(tuple(part.get_shape()), part.get_dtype())
+                    for name in f.keys() for part in (f.get_slice(name),)}
     except (SafetensorError, OSError) as e:
         raise _unreadable(path, e) from e
 
@@ -64,8 +111,7 @@ def _header_keys(path: Path) -> list[str]:
 def safetensors_keys(path: Path) -> list[str]:
     """The tensor names of one safetensors file, from its header alone: a wrong file is refused before gigabytes
     of it are read."""
-    _check_exists(path)
-    return _header_keys(path)
+    return list(read_header(path))
 
 
 def read_json(path: Path) -> dict:
@@ -79,12 +125,38 @@ def read_json(path: Path) -> dict:
     return config
 
 
-def check_safetensors_files(folder: Path) -> None:
-    """Parse the header of every safetensors file in ``folder``, so that a truncated shard is named here."""
+def read_folder_headers(folder: Path,
+                        error: type[ErnieImageError] = ErnieImageError) -> tuple[Header, dict[str, Path]]:
+    """The headers of every safetensors shard in ``folder`` as one (a truncated shard is named here), and the
+    shard that holds each tensor. A tensor in two shards, or a shard that the folder's index lists but that is not
+    there, is an error: either would leave a weight to chance."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ErnieImageError(
-            f"No .safetensors weights in {folder}. Download the model's weights (only safetensors are loaded)."
-        )
-    for f in files:
-        _header_keys(f)
+        raise error(f"No .safetensors weights in {folder}. Download the model's weights (only safetensors are loaded).")
+    for index in sorted(folder.glob("*.safetensors.index.json")):
+        weight_map = read_json(index).get("weight_map")
+        listed = set(weight_map.values()) if isinstance(weight_map, dict) else set()
+        absent = sorted(str(name) for name in listed if not isinstance(name, str) or not (folder / name).is_file())
+        if absent:
+            raise error(f"{index} lists the shard {absent[0]}, which is not in {folder}: the download is incomplete. "
+                        "Download the model again.")
+    header: Header = {}
+    where: dict[str, Path] = {}
+    for file in files:
+        for name, info in read_header(file).items():
+            if name in where:
+                raise error(f"{name} is in two shards of {folder} ({where[name].name} and {file.name}): the folder "
+                            "mixes two downloads. Download the model again into an empty folder.")
+            header[name], where[name] = info, file
+    return header, where
+
+
+def read_tensors(where: Mapping[str, Path], keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The tensors ``keys`` from the shards that hold them (``where``, from ``read_folder_headers``), nothing else."""
+    by_file: dict[Path, list[str]] = {}
+    for key in keys:
+        by_file.setdefault(where[key], []).append(key)
+    tensors: dict[str, torch.Tensor] = {}
+    for file, names in by_file.items():
+        tensors.update(read_safetensors(file, names))
+    return tensors

@@ -5,6 +5,7 @@ ComfyUI comes from ``scripts/setup_env.sh`` (``.cache/comfyui``) or ``ERNIE_TEST
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -61,9 +62,19 @@ def comfy_paths(tiny_models):
     """ComfyUI's folder_paths, in this process, pointed at the tiny models."""
     import folder_paths
 
-    for name in ("diffusers", "diffusion_models", "text_encoders"):
+    for name in ("diffusers", "diffusion_models", "text_encoders", "loras"):
         folder_paths.add_model_folder_path(name, str(tiny_models["models_dir"] / name), is_default=True)
     return folder_paths
+
+
+@pytest.fixture
+def placed(tiny_models, comfy_paths):
+    """``placed(folder, name)``: a path among ComfyUI's model folders (``models/<folder>/<name>``) for a file or folder
+    a test writes there, as a user would put it, removed when the test ends."""
+    from helpers.files import in_model_folder
+
+    with contextlib.ExitStack() as stack:
+        yield lambda folder, name: stack.enter_context(in_model_folder(tiny_models["models_dir"], folder, name))
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ the tiny DiT, and a merged reference is the same DiT with ``strength · scale ·
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import comfy.sd
@@ -204,3 +205,95 @@ def test_lycoris_adapters_and_dora_reach_cores_weight_adapters(tiny_models, plai
     ours = sample(patched)
     assert (ours - plain_latent).abs().max() > 10 / 255
     torch.testing.assert_close(ours, sample(reference), atol=1 / 255, rtol=0)
+
+
+BLOCK_LINEARS = {"self_attention.to_q": (64, 64), "self_attention.to_k": (64, 64), "self_attention.to_v": (64, 64),
+                 "self_attention.to_out.0": (64, 64), "mlp.gate_proj": (128, 64), "mlp.up_proj": (128, 64),
+                 "mlp.linear_fc2": (64, 128)}  # the tiny DiT's 7 linear layers in each of its 10 blocks
+
+
+def test_a_lora_one_column_too_wide_is_reported_as_applied_to_none_of_its_layers(comfy_server, placed):
+    """Core takes such patches and, when the model loads, logs an ERROR line for each and leaves the weight alone:
+    the node said "applied 70 of its 70 layers" over 70 ERROR lines. Now none is handed to core, the node says
+    so, and the image is the one without the LoRA."""
+    generator = torch.Generator().manual_seed(9)
+    lora = {}
+    for block in range(10):
+        for layer, (rows, cols) in BLOCK_LINEARS.items():
+            name = f"diffusion_model.layers.{block}.{layer}"
+            lora[f"{name}.lora_A.weight"] = torch.randn(RANK, cols + 1, generator=generator)  # one column too many
+            lora[f"{name}.lora_B.weight"] = torch.randn(rows, RANK, generator=generator)
+    save_file(lora, placed("loras", "one_column_too_wide.safetensors"))
+    settings = dict(snapshot="ERNIE-Image-Turbo-tiny", prompt="a cat", steps=2, seed=11)
+    node = ("ErnieImageLoraLoader", {"lora_name": "one_column_too_wide.safetensors", "strength_model": 1.0})
+    result, log = comfy_server.run_logged(text_to_image(prefix="lora_wide", model_nodes=(node,), **settings))
+    assert result.status == "success", result.messages
+    assert ("ERNIE-Image LoRA one_column_too_wide.safetensors: applied 0 of its 70 diffusion-model layers; 70 layers "
+            "do not fit the DiT's shapes (first: diffusion_model.layers.0.mlp.gate_proj: the LoRA makes [128, 65], "
+            "the weight is [128, 64]), so they are not applied") in log
+    assert "ERROR lora" not in log
+    without = comfy_server.run(text_to_image(prefix="lora_wide_none", **settings))
+    (with_png,), (without_png,) = comfy_server.output_images(result), comfy_server.output_images(without)
+    assert (saved_image(with_png) == saved_image(without_png)).all()
+
+
+def _misfit(kind: str, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """One layer's tensors of an adapter that does not fit ``layers.0.self_attention.to_q`` (64 × 64)."""
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    return {
+        "lora, same numbers in another shape": {"lora_A.weight": rand(RANK, 128), "lora_B.weight": rand(32, RANK)},
+        "lora, factors that do not multiply": {"lora_A.weight": rand(RANK + 1, 64), "lora_B.weight": rand(64, RANK)},
+        "loha": dict(hada_w1_a=rand(64, RANK), hada_w1_b=rand(RANK, 65), hada_w2_a=rand(64, RANK),
+                     hada_w2_b=rand(RANK, 65)),
+        "lokr": dict(lokr_w1=rand(8, 8), lokr_w2=rand(8, 9)),
+        "diff": {"diff": rand(64, 63)},
+        "dora of another width": {"lora_A.weight": rand(RANK, 64), "lora_B.weight": rand(64, RANK),
+                                  "dora_scale": rand(1, 65).abs()},
+    }[kind]
+
+
+@pytest.mark.parametrize("kind", ["lora, same numbers in another shape", "lora, factors that do not multiply",
+                                  "loha", "lokr", "diff", "dora of another width"])
+def test_an_adapter_whose_shapes_do_not_fit_is_not_applied_and_said(tiny_models, kind):
+    """Per adapter kind, the shape core's formula makes against the weight's: core would reshape a patch of as many
+    numbers in another shape into the weight (a silently different image), or log an ERROR and apply nothing; both
+    were counted as applied."""
+    layer, fitting = "transformer.layers.0.self_attention.to_q", "transformer.layers.5.self_attention.to_q"
+    tensors = {f"{fitting}.lora_A.weight": torch.full((RANK, 64), 0.01),
+               f"{fitting}.lora_B.weight": torch.full((64, RANK), 0.01)}
+    tensors |= {f"{layer}.{suffix}": t for suffix, t in _misfit(kind, torch.Generator().manual_seed(10)).items()}
+    patched, report = apply_lora(tiny_patcher(tiny_models["snapshot"]), tensors, 1.0, kind)
+    assert (report.applied, report.misfits, report.dit_layers) == (1, 1, 2), report
+    assert report.first_misfit.startswith(f"{layer}: ")
+    assert "do not fit the DiT's shapes (first: transformer.layers.0.self_attention.to_q: " in report.text()
+    assert list(patched.patches) == ["diffusion_model.layers.5.self_attention.to_q.weight"]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_lora_with_non_finite_values_is_refused_by_key(tiny_models, placed, value):
+    """A NaN in a LoRA made a black image, with the LoRA reported as applied."""
+    from comfyui_ernie_image.nodes.lora.nodes import ErnieImageLoraLoader
+
+    tensors = lora_file("peft", deltas(LAYERS, seed=12))
+    tensors["transformer.layers.3.mlp.up_proj.lora_B.weight"][5, 1] = value
+    save_file(tensors, placed("loras", f"non_finite_{value}.safetensors"))
+    with pytest.raises(ErnieImageError, match=r"LoRA non_finite_(nan|inf)\.safetensors: transformer\.layers\.3\.mlp\."
+                                              r"up_proj\.lora_B\.weight holds NaN or infinite values, which would "
+                                              r"make a black image\. The file is damaged"):
+        ErnieImageLoraLoader.execute(tiny_patcher(tiny_models["snapshot"]), f"non_finite_{value}.safetensors", 1.0)
+
+
+def test_a_lora_header_of_150000_names_is_refused_before_it_is_parsed(tiny_models, placed):
+    """A 13 MB file of 150 000 empty tensors: each was read, mapped and counted (seconds of CPU, and safetensors
+    parses up to 100 MB of such names). Refused from its first 8 bytes."""
+    from comfyui_ernie_image.nodes.lora.nodes import ErnieImageLoraLoader
+
+    entry = {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}
+    header = json.dumps({f"lora_unet_layers_{i}_x.alpha": entry for i in range(150_000)}).encode()
+    header += b" " * (-len(header) % 8)
+    placed("loras", "many_names.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(ErnieImageError, match=r"many_names\.safetensors declares a 13 MiB list of tensors \(model "
+                                              r"files have well under 8 MiB\): it is not a model file this pack loads"):
+        ErnieImageLoraLoader.execute(tiny_patcher(tiny_models["snapshot"]), "many_names.safetensors", 1.0)

@@ -13,19 +13,43 @@ Only safetensors are read: no pickles, no remote code.
 
 from __future__ import annotations
 
+import inspect
+import math
 import re
 from pathlib import Path
 
 import torch
 
 from ..errors import ErnieImageError
-from ..model_files import check_safetensors_files, read_json, read_safetensors, safetensors_keys
+from ..model_files import Header, read_folder_headers, read_header, read_json, read_safetensors, read_tensors
+from ..quant_layout import CONFIG_SUFFIX, SCALED_MARKER, header_metadata, split_quantization
+from ..structure import QUANTIZED_SUFFIXES, SCALE_SUFFIXES, Architecture, check_scales, check_structure, count_blocks
+from .dit import ErnieImageDiT
 
 # A key every ERNIE-Image DiT has and no other model in ComfyUI's folders does, and the others its shape is read off.
 MARKER_KEY = "layers.0.adaLN_sa_ln.weight"
 REQUIRED_KEYS = (MARKER_KEY, "x_embedder.proj.weight", "layers.0.self_attention.norm_q.weight",
                  "layers.0.mlp.gate_proj.weight", "final_linear.weight")
 _BLOCK_KEY = re.compile(r"layers\.\d+\.adaLN_sa_ln\.")  # in every shard of a sharded ERNIE-Image DiT
+# The released DiT has 36 blocks. 256 leaves room for larger variants, yet 256 blocks at the released width would
+# be 57B parameters, more than any card holds: a count past it is a damaged or hostile file (one stray name
+# "layers.1000000000.…" made the loader build a billion blocks), refused before a module is built.
+MAX_BLOCKS = 256
+WHAT = "ERNIE-Image DiT"
+ADVICE = ("Download it again, or pick ernie-image.safetensors or ernie-image-turbo.safetensors (or a snapshot "
+          "folder).")
+DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})  # what build.py holds or casts from
+# Rank of each tensor the architecture is read off, in the words of the error when a file's differs.
+_READ_OFF = {"x_embedder.proj.weight": "[hidden, in_channels, patch, patch]",
+             "layers.0.self_attention.norm_q.weight": "[head_dim]",
+             "layers.0.mlp.gate_proj.weight": "[ffn_hidden, hidden]", "final_linear.weight": "[out, hidden]",
+             "text_proj.weight": "[hidden, text_in_dim]"}
+# The architecture's fields and their defaults (diffusers' config names); config.json's other fields say nothing
+# about the weights.
+_DEFAULTS = {name: parameter.default for name, parameter in inspect.signature(ErnieImageDiT).parameters.items()
+             if parameter.kind is parameter.POSITIONAL_OR_KEYWORD and name not in ("dtype", "device", "operations")}
+_INFERRED = ("hidden_size", "num_attention_heads", "num_layers", "ffn_hidden_size", "in_channels", "out_channels",
+             "patch_size", "text_in_dim")  # what the shapes say (the rope split and the rest only a config does)
 
 
 def _describe_foreign(keys: list[str]) -> str:
@@ -59,10 +83,21 @@ def check_dit_keys(keys: list[str], source: str) -> None:
     )
 
 
-def config_from_state_dict(state_dict: dict[str, torch.Tensor], source: str) -> dict:
-    """The ``ErnieImageTransformer2DModel`` config that matches these weights, read off their shapes."""
+def _check_read_off_shapes(state_dict, source: str) -> None:
+    """The tensors the architecture is read off have their ranks and no empty side, so reading it cannot fail."""
+    for key, layout in _READ_OFF.items():
+        shape = tuple(state_dict[key].shape) if key in state_dict else None
+        if shape is not None and (len(shape) != layout.count(",") + 1 or 0 in shape):
+            raise ErnieImageError(f"{source}: {key} has shape {list(shape)}; an ERNIE-Image DiT's is {layout}. "
+                                  f"{ADVICE}")
+
+
+def config_from_state_dict(state_dict, source: str) -> dict:
+    """The ``ErnieImageTransformer2DModel`` config that matches these weights (tensors, or a header's
+    ``TensorInfo``: anything with a ``shape``), read off their shapes."""
     keys = list(state_dict)
     check_dit_keys(keys, source)
+    _check_read_off_shapes(state_dict, source)
     proj = state_dict["x_embedder.proj.weight"]  # [hidden, in_channels, p, p]
     hidden, in_channels, patch = proj.shape[0], proj.shape[1], proj.shape[2]
     head_dim = state_dict["layers.0.self_attention.norm_q.weight"].shape[0]
@@ -82,6 +117,97 @@ def config_from_state_dict(state_dict: dict[str, torch.Tensor], source: str) -> 
     }
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_config(config: dict, source: str) -> dict:
+    """The DiT's architecture fields of ``config`` (defaults for those it lacks, the rest dropped), once each is
+    of a type and in a range the DiT can be built from; ``source`` names where they come from in the error."""
+    full = {**_DEFAULTS, **{k: v for k, v in config.items() if k in _DEFAULTS}}
+
+    def refuse(field: str, needs: str):
+        raise ErnieImageError(f"{source}: {field} is {full[field]!r}; an ERNIE-Image DiT needs {needs}. {ADVICE}")
+
+    for field in _INFERRED:
+        if type(full[field]) is not int or full[field] < 1:
+            refuse(field, "a positive whole number")
+    if full["num_layers"] > MAX_BLOCKS:
+        refuse("num_layers", f"at most {MAX_BLOCKS} (the released model has 36)")
+    if full["hidden_size"] % full["num_attention_heads"]:
+        refuse("num_attention_heads", f"a divisor of hidden_size {full['hidden_size']}")
+    head_dim = full["hidden_size"] // full["num_attention_heads"]
+    axes = full["rope_axes_dim"]
+    if (not isinstance(axes, list | tuple) or len(axes) != 3 or any(type(a) is not int or a < 2 or a % 2 for a in axes)
+            or sum(axes) != head_dim):
+        refuse("rope_axes_dim", f"three positive even numbers that add up to the head width {head_dim}")
+    if not _is_number(full["rope_theta"]) or full["rope_theta"] <= 0:
+        refuse("rope_theta", "a finite positive number")
+    if not _is_number(full["eps"]) or not 0 < full["eps"] < 1:
+        refuse("eps", "a finite number between 0 and 1")
+    if type(full["qk_layernorm"]) is not bool:
+        refuse("qk_layernorm", "true or false")
+    return full
+
+
+class _TorchLayers:
+    """torch's own layers with comfy.ops' names and the same state-dict keys: the DiT built from them on the meta
+    device lists the names and shapes its weights must have, without ComfyUI and without allocating."""
+
+    Linear, Conv2d, RMSNorm = torch.nn.Linear, torch.nn.Conv2d, torch.nn.RMSNorm
+
+
+def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor the DiT with ``config`` (checked by ``check_config``) has, by name, with its shape."""
+    model = ErnieImageDiT(**config, device="meta", operations=_TorchLayers)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def check_dit_header(header: Header, source: str, declared: dict | None = None, config_source: str | None = None,
+                     metadata: dict[str, str] | None = None) -> dict:
+    """The DiT's architecture once the header is known to hold exactly it: its blocks counted (and capped) first,
+    then every name and shape against the DiT built on the meta device; ``declared`` is a snapshot's config
+    (``config_source`` names it), which must agree with what the shards hold; ``metadata``: the header's metadata
+    (0.3.75's comfy_quant layout names its quantized layers there). No tensor read, no module built before the
+    count is known."""
+    check_dit_keys(list(header), source)
+    for name, info in header.items():
+        if name.endswith(".scale_weight") and info.numel != 1:
+            # build.py multiplies one scale into each weight (ComfyUI's scaled fp8 layers); a scale per row or per
+            # block would raise deep inside torch there, or be folded into the wrong axis.
+            raise ErnieImageError(
+                f"{source}: {name} has shape {list(info.shape)}, but this pack loads scaled fp8 files with one scale "
+                "per weight (a single number); per-row or per-block scales are not loaded. Use the bf16 file "
+                "(ernie-image-turbo.safetensors) or a scaled fp8 file with one scale per weight.")
+    # A comfy_quant layer's weight is stored in its format (NVFP4 packs two values a byte; quant_layout.py).
+    quantized = {k[: -len(CONFIG_SUFFIX)] for k in header if k.endswith(CONFIG_SUFFIX)}
+    packed = frozenset(f"{layer}.weight" for layer in quantized | set(split_quantization({}, metadata)[1].layers))
+    count_blocks(header, "layers.", MAX_BLOCKS, source, WHAT, ADVICE, quantized=QUANTIZED_SUFFIXES, packed=packed)
+    inferred = config_from_state_dict(header, source)
+    if declared is None:
+        config = check_config(inferred, source)
+    else:
+        for field in _INFERRED:
+            if field in declared and declared[field] != inferred[field]:
+                raise ErnieImageError(
+                    f"{config_source} says {field} {declared[field]!r}, but the weights in {source} hold "
+                    f"{inferred[field]}: the config and the weights are not of one model, or one is damaged. "
+                    "Download the snapshot again.")
+        config = check_config(declared, config_source or source)
+    check_structure(header, Architecture(WHAT, expected_shapes(config), ADVICE, ignored=(SCALED_MARKER,),
+                                         quantized=QUANTIZED_SUFFIXES, dtypes=DTYPES, packed=packed), source)
+    return config
+
+
+def _scale_keys(keys) -> list[str]:
+    return [k for k in keys if k.endswith(tuple("." + suffix for suffix in SCALE_SUFFIXES))]
+
+
+def _check_scale_values(scales: dict[str, torch.Tensor], source: str) -> None:
+    """The scales' values, read alone (a few numbers) before the weights."""
+    check_scales(scales, source, "The file is damaged: download it again, or use the bf16 file.")
+
+
 # Where the community's single files put the released keys (ComfyUI's checkpoint layout); bare keys are the repack's.
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
@@ -94,11 +220,15 @@ def _prefix(keys) -> str:
 def read_single_file(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """The DiT's tensors (released keys; the file's other keys dropped) and architecture from one safetensors
     file."""
-    keys = safetensors_keys(path)
-    prefix = _prefix(keys)
-    check_dit_keys([k[len(prefix):] for k in keys if k.startswith(prefix)], str(path))  # before reading gigabytes
-    state_dict = {k[len(prefix):]: v for k, v in read_safetensors(path).items() if k.startswith(prefix)}
-    return state_dict, config_from_state_dict(state_dict, str(path))
+    header = read_header(path)
+    prefix = _prefix(header)
+    # Under a prefix, the file's other keys are the other models of a checkpoint (its VAE, text encoder): not read.
+    dit = {k[len(prefix):]: v for k, v in header.items() if k.startswith(prefix)}
+    config = check_dit_header(dit, str(path), metadata=header_metadata(path))  # before reading or building anything
+    scales = read_safetensors(path, [prefix + k for k in _scale_keys(dit)])
+    _check_scale_values({k[len(prefix):]: v for k, v in scales.items()}, str(path))
+    state_dict = {k[len(prefix):]: v for k, v in read_safetensors(path, [prefix + k for k in dit]).items()}
+    return state_dict, config
 
 
 def read_transformer_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -112,12 +242,10 @@ def read_transformer_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict
         raise ErnieImageError(
             f"{folder} holds a {class_name}, not an ERNIE-Image transformer. Pick an ERNIE-Image snapshot folder."
         )
-    check_safetensors_files(folder)
-    state_dict: dict[str, torch.Tensor] = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        state_dict.update(read_safetensors(shard))
-    check_dit_keys(list(state_dict), str(folder))
-    return state_dict, {k: v for k, v in config.items() if not k.startswith("_")}
+    header, where = read_folder_headers(folder)  # a truncated shard is named here
+    config = check_dit_header(header, str(folder), config, str(config_path), header_metadata(folder))
+    _check_scale_values(read_tensors(where, _scale_keys(header)), str(folder))
+    return read_tensors(where, header), config
 
 
 def read_dit(path: Path) -> tuple[dict[str, torch.Tensor], dict]:

@@ -44,8 +44,7 @@ class ErnieImageLoraLoader(io.ComfyNode):
             return io.NodeOutput(model)  # as core's loaders: nothing read, nothing patched
         lora = read_safetensors(model_file_path("loras", lora_name))
         patched, report = apply_lora(model, lora, strength_model, lora_name)
-        log.log(logging.WARNING if report.few else logging.INFO,
-                "ERNIE-Image %s", report.text())
+        log.log(logging.WARNING if report.few or report.misfits else logging.INFO, "ERNIE-Image %s", report.text())
         show_on_node(cls.hidden.unique_id, report.text())
         return io.NodeOutput(patched)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..ministral_file import read_ministral_file
+from ..ministral_file import load_ministral_folder, read_config, read_ministral_file
 from ..model_files import read_json
 from .protocol import EnhancerError
 
@@ -81,15 +81,19 @@ def path_source(path: Path) -> PESource:
 
 
 def _load_folder(folder: Path, dtype: torch.dtype):
-    from transformers import Ministral3Config, Ministral3ForCausalLM
+    from transformers import GenerationConfig, Ministral3Config
 
     model_type = read_json(folder / "config.json").get("model_type")
     if model_type != "ministral3":
         raise EnhancerError(f"{folder} holds a {model_type!r} model; the ERNIE-Image prompt enhancer is 'ministral3'")
     if not any(folder.glob("*.safetensors")):
         raise EnhancerError(f"{folder} has no .safetensors weights (other weight formats are not loaded)")
-    config = Ministral3Config.from_pretrained(folder)
-    return Ministral3ForCausalLM.from_pretrained(folder, config=config, dtype=dtype, use_safetensors=True).eval()
+    config = read_config(Ministral3Config, folder, "prompt enhancer", EnhancerError)
+    model = load_ministral_folder(folder, config, dtype, what="prompt enhancer", error=EnhancerError,
+                                  instead="download the prompt enhancer's folder again")
+    if (folder / "generation_config.json").is_file():  # its stop tokens, as transformers' own folder loading reads
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    return model
 
 
 def _load_tokenizer(folder: Path):

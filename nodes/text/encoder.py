@@ -2,8 +2,9 @@
 
 As in ``ErnieImagePipeline.encode_prompt``: the tokenizer adds its special tokens, no chat template, no
 padding; an empty prompt becomes the BOS token; the embedding is ``hidden_states[-2]`` of shape ``[T, D]``.
-The vision tower of the checkpoint is never used, so it is dropped after loading. ComfyUI's repack of the text
-encoder (one ``.safetensors`` with the tokenizer inside) is read by ``ministral_file``.
+The vision tower of the checkpoint is never used, so only the language model is read (``ministral_file``, which
+checks the files before anything is built), from a snapshot or from ComfyUI's repack (one ``.safetensors`` with the
+tokenizer inside).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pathlib import Path
 import torch
 
 from ..errors import ErnieImageError
-from ..model_files import builds_weights, check_safetensors_files, read_json
+from ..ministral_file import load_ministral_folder, read_config, read_ministral_file
+from ..model_files import read_json
 
 TEXT_ENCODER_CLASSES = ("Mistral3Model", "Mistral3ForConditionalGeneration")
 
@@ -26,10 +28,10 @@ class ErnieTextEncoder:
         self.tokenizer = tokenizer
 
     @classmethod
-    @builds_weights
     def from_snapshot(cls, snapshot: Path, dtype: torch.dtype) -> ErnieTextEncoder:
-        """Load ``text_encoder/`` and ``tokenizer/`` of an ERNIE-Image snapshot (safetensors only)."""
-        from transformers import AutoTokenizer, Mistral3Model
+        """Load ``text_encoder/`` (its language model) and ``tokenizer/`` of an ERNIE-Image snapshot (safetensors
+        only)."""
+        from transformers import AutoTokenizer, Mistral3Config
 
         encoder_dir, tokenizer_dir = snapshot / "text_encoder", snapshot / "tokenizer"
         for folder in (encoder_dir, tokenizer_dir):
@@ -46,21 +48,20 @@ class ErnieTextEncoder:
             raise ErnieImageError(
                 f"{encoder_dir} holds {architectures or 'no model config'}, not ERNIE-Image's Mistral3 text encoder."
             )
-        check_safetensors_files(encoder_dir)  # a truncated shard is named here, not deep inside from_pretrained
+        text_config = read_config(Mistral3Config, encoder_dir, "text encoder").text_config
         try:
-            model = Mistral3Model.from_pretrained(encoder_dir, dtype=dtype, use_safetensors=True)
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         except (OSError, ValueError) as e:
             raise ErnieImageError(f"Cannot load the text encoder in {snapshot} ({e}). Download it again.") from e
-        return cls(model.language_model, tokenizer)
+        model = load_ministral_folder(encoder_dir, text_config, dtype, what="text encoder", lm_head=False,
+                                      instead="download the whole snapshot again")
+        return cls(model.model, tokenizer)
 
     @classmethod
     def from_single_file(cls, path: Path, dtype: torch.dtype) -> ErnieTextEncoder:
         """Load ComfyUI's repack ``ministral-3-3b.safetensors`` (the language model with its tokenizer inside)."""
-        from ..ministral_file import read_ministral_file
-
         model, tokenizer = read_ministral_file(
-            path, dtype, what="text encoder",
+            path, dtype, what="text encoder", lm_head=False,
             instead="use an ERNIE-Image snapshot folder (its text_encoder/ and tokenizer/) instead",
         )
         # The snapshot's tokenizer puts a BOS before every prompt (diffusers encodes with add_special_tokens=True);

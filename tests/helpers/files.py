@@ -6,10 +6,14 @@ unlinked before it is changed: writing through a link would damage the session's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save
 
 
 def _link_or_copy(source: str, destination: str) -> None:
@@ -42,3 +46,24 @@ def snapshot_with_truncated_file(snapshot: Path, tmp_path: Path, relative: str, 
     assert damaged.stat().st_size > keep_bytes, f"{relative} is too short to truncate to {keep_bytes} bytes"
     replace_bytes(damaged, damaged.read_bytes()[:keep_bytes])
     return copy
+
+
+def rewrite_safetensors(file: Path, change: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> None:
+    """Gives the safetensors ``file`` the tensors ``change`` makes of its own (through ``replace_bytes``)."""
+    replace_bytes(file, save(change(load_file(file))))
+
+
+@contextlib.contextmanager
+def in_model_folder(models_dir: Path, folder: str, name: str) -> Iterator[Path]:
+    """The path ``models_dir/folder/name`` for a file or folder a test puts among ComfyUI's models, removed when
+    the test ends: other tests list these folders."""
+    path = models_dir / folder / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        yield path
+    finally:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
