@@ -55,7 +55,9 @@ def newer_core_server(models, base, changes: str):
 
     (base / "custom_nodes").mkdir(parents=True)
     (base / "custom_nodes" / "newer_core").symlink_to(NEWER_CORE, target_is_directory=True)
-    return ComfyServer(COMFY_DIR, base, REPO, models, env={"ERNIE_TEST_NEWER_CORE": changes})
+    # The pack's dynamic-VRAM path is off by default until a GPU run shows it (host/patchers.py): on here.
+    return ComfyServer(COMFY_DIR, base, REPO, models,
+                       env={"ERNIE_TEST_NEWER_CORE": changes, "ERNIE_IMAGE_DYNAMIC_VRAM": "on"})
 
 
 @pytest.fixture(scope="module")

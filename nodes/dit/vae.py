@@ -32,6 +32,7 @@ def make_vae(state_dict: dict[str, torch.Tensor], source: str):
     return vae
 
 
+@builds_weights  # the weights read as normal tensors too: core's dynamic-VRAM VAE assigns them as its parameters
 def load_vae(path: Path):
     return make_vae(read_safetensors(path), str(path))
 

@@ -31,8 +31,10 @@ from ..errors import ErnieImageError
 from .sizes import module_bytes
 
 ModelPatcher = comfy.model_patcher.ModelPatcher
-# ERNIE_IMAGE_DYNAMIC_VRAM=off keeps the DiT on core's classic patcher even where the core streams models with
-# dynamic VRAM (for a comparison, or should the dynamic path misbehave on a machine).
+# ERNIE_IMAGE_DYNAMIC_VRAM=on puts a DiT that does not fit the GPU whole on core's dynamic patcher where the core
+# has dynamic VRAM. Off by default until a run shows it: on the H200 (2026-12-01) the only runnable core with
+# dynamic VRAM, the 0.12.1 fork, failed in its own ModelPatcherDynamic.partially_load for every dynamic model, its
+# own VAE included (it reads model.current_weight_patches_uuid, which the fork keeps on the patcher).
 DYNAMIC_VRAM_ENV = "ERNIE_IMAGE_DYNAMIC_VRAM"
 
 
@@ -61,16 +63,16 @@ def is_dynamic(patcher) -> bool:
 
 def dynamic_vram() -> bool:
     """Whether the running core manages models with dynamic VRAM (its ``CoreModelPatcher`` is not the classic
-    ModelPatcher) and ``ERNIE_IMAGE_DYNAMIC_VRAM`` does not turn that off for the pack."""
+    ModelPatcher) and ``ERNIE_IMAGE_DYNAMIC_VRAM=on`` asks the pack to use it for the DiT."""
     core = getattr(comfy.model_patcher, "CoreModelPatcher", ModelPatcher)
-    return core is not ModelPatcher and os.environ.get(DYNAMIC_VRAM_ENV, "auto").strip().lower() != "off"
+    return core is not ModelPatcher and os.environ.get(DYNAMIC_VRAM_ENV, "off").strip().lower() == "on"
 
 
 def dit_patcher_class(resident: bool, subclass_weights: bool = False) -> type:
-    """Core's patcher for the DiT: its dynamic one where the core has it on, unless the DiT stays ``resident`` on
-    the GPU and is compiled there, which the dynamic patcher's per-layer casts do not allow (core's compile node
-    gives such a model the classic patcher too: ``model.clone(disable_dynamic=True)``). ``subclass_weights``:
-    weights held as tensor subclasses (core's quantized layers), which need ``OutsideInferenceMode``."""
+    """Core's patcher for the DiT: its dynamic one where ``dynamic_vram()`` says so, unless the DiT stays
+    ``resident`` on the GPU and is compiled there, which the dynamic patcher's per-layer casts do not allow (core's
+    compile node gives such a model the classic patcher too: ``model.clone(disable_dynamic=True)``).
+    ``subclass_weights``: weights held as tensor subclasses (core's quantized layers): ``OutsideInferenceMode``."""
     core = comfy.model_patcher.CoreModelPatcher if dynamic_vram() and not resident else ModelPatcher
     return _outside_inference_mode(core) if subclass_weights else core
 
