@@ -7,6 +7,7 @@ Only safetensors are ever loaded by the pack: no pickles, no remote code.
 from __future__ import annotations
 
 import json
+import stat
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from math import prod
@@ -114,15 +115,37 @@ def safetensors_keys(path: Path) -> list[str]:
     return list(read_header(path))
 
 
+CONFIG_LIMIT_BYTES = 1 << 20  # a model's config or index is a few kilobytes; a larger file is not read whole
+
+
+def json_object(path: Path) -> dict:
+    """The JSON object in ``path``, a regular file of at most ``CONFIG_LIMIT_BYTES``; else ``OSError`` or
+    ``ValueError`` saying what the file is instead ("a JSON list, not an object"): a FIFO would block the reading, a
+    huge file balloon it, deep nesting overflow the parser."""
+    info = path.stat()
+    if not stat.S_ISREG(info.st_mode):
+        raise OSError("not a file")
+    if info.st_size > CONFIG_LIMIT_BYTES:
+        raise ValueError(f"larger than {CONFIG_LIMIT_BYTES} bytes")
+    with open(path, "rb") as f:
+        text = f.read(CONFIG_LIMIT_BYTES + 1)
+    try:
+        data = json.loads(text)
+    except RecursionError:  # thousands of nested brackets
+        raise ValueError("nested too deeply") from None
+    except ValueError as error:  # invalid JSON or UTF-8
+        raise ValueError(f"not JSON ({type(error).__name__})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"a JSON {type(data).__name__}, not an object")
+    return data
+
+
 def read_json(path: Path) -> dict:
     """A JSON config file as a dict, or an error that names the file when it is damaged (a truncated download)."""
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        return json_object(path)
     except (OSError, ValueError) as e:
         raise _unreadable(path, e) from e
-    if not isinstance(config, dict):
-        raise _unreadable(path, ValueError(f"a JSON {type(config).__name__}, not an object"))
-    return config
 
 
 def read_folder_headers(folder: Path,

@@ -22,24 +22,21 @@ pack's nodes.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import re
-import stat
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import folder_paths
 
 from .errors import ErnieImageError
+from .model_files import json_object
 
 SNAPSHOT_PREFIX = "diffusers/"  # how a snapshot folder is named among single files in a model list
 TEXT_ENCODERS_PREFIX = "text_encoders/"  # how a file or folder of models/text_encoders is named in a model list
 # The PE and the text encoder are both Ministral 3 files: under text_encoders, their names tell them apart.
 _PE_FILE = re.compile(r"(enhancer|(^|[^a-z])pe([^a-z]|$))", re.IGNORECASE)
-# A model_index.json or config.json is a few kilobytes; one far larger is not a model's and is not read whole.
-CONFIG_LIMIT_BYTES = 1 << 20
 
 
 def is_prompt_enhancer_file(name: str) -> bool:
@@ -93,29 +90,13 @@ def _say_unlisted(path: str, reason: str) -> None:
 def read_small_json(path: Path) -> dict | None:
     """A small JSON object from ``path`` (a model folder's index or config), or None when there is none, or it is
     not a regular file, larger than ``CONFIG_LIMIT_BYTES``, not JSON or not an object (said once in the log)."""
-    try:
-        info = path.stat()
-    except OSError:
-        return None
-    if not stat.S_ISREG(info.st_mode):  # a FIFO would block the listing; a folder is not a config
-        _say_unlisted(str(path), "is not a file")
-        return None
-    if info.st_size > CONFIG_LIMIT_BYTES:
-        _say_unlisted(str(path), f"is larger than {CONFIG_LIMIT_BYTES} bytes")
+    if not path.exists():
         return None
     try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read(CONFIG_LIMIT_BYTES + 1))
-    except (OSError, ValueError) as error:  # ValueError: invalid JSON or UTF-8
-        _say_unlisted(str(path), f"cannot be read as JSON ({type(error).__name__})")
+        return json_object(path)
+    except (OSError, ValueError) as error:
+        _say_unlisted(str(path), f"is {error}")
         return None
-    except RecursionError:  # thousands of nested brackets
-        _say_unlisted(str(path), "is nested too deeply")
-        return None
-    if not isinstance(data, dict):
-        _say_unlisted(str(path), f"is a JSON {type(data).__name__}, not an object")
-        return None
-    return data
 
 
 def _is_ernie_snapshot(folder: Path) -> bool:

@@ -80,6 +80,17 @@ def test_a_config_that_is_not_a_json_object_is_named(tiny_models, tmp_path):
         snapshot_shift(snapshot)
 
 
+@pytest.mark.parametrize("shift", [b"NaN", b"-4.0", b"0", b"true", b'"4.0"', b"1e999"])
+def test_a_schedulers_shift_that_is_no_number_above_zero_is_refused(tiny_models, tmp_path, shift):
+    """A shared snapshot's scheduler config sets every sigma: NaN gives a black image, a negative shift reversed
+    sigmas."""
+    snapshot = linked_copy(tiny_models["snapshot"], tmp_path / "snapshot")
+    replace_bytes(snapshot / "scheduler" / "scheduler_config.json", b'{"shift": ' + shift + b"}")
+    with pytest.raises(ErnieImageError, match=r"scheduler_config\.json gives the shift .*, not a number above 0 "
+                                              r"\(ERNIE-Image's is 4\.0\)\. The file is damaged"):
+        snapshot_shift(snapshot)
+
+
 def test_one_shard_of_a_sharded_dit_says_to_use_the_snapshot(tiny_models, tmp_path):
     state = read_safetensors(tiny_models["single_file"])
     shard = tmp_path / "diffusion_pytorch_model-00001-of-00002.safetensors"
