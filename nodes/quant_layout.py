@@ -77,7 +77,8 @@ def _decode(tensor: torch.Tensor, key: str) -> dict:
     return _config(value, key)
 
 
-def _header_layers(metadata: dict[str, str]) -> dict[str, dict]:
+def header_layers(metadata: dict[str, str]) -> dict[str, dict]:
+    """The quantized layers 0.3.75's header form declares (``_quantization_metadata``), by layer name."""
     text = metadata.get(HEADER_KEY)
     if text is None:
         return {}
@@ -95,7 +96,7 @@ def split_quantization(state_dict: dict[str, torch.Tensor],
                        metadata: dict[str, str] | None = None) -> tuple[dict[str, torch.Tensor], QuantLayers]:
     """The weights (configuration tensors and markers taken out, scales under comfy_quant's names) and the
     quantized layers of a DiT file in any of the three layouts."""
-    layers = _header_layers(metadata or {})
+    layers = header_layers(metadata or {})
     weights: dict[str, torch.Tensor] = {}
     marker = state_dict.get(SCALED_MARKER)
     for key, value in state_dict.items():

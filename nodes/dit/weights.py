@@ -22,7 +22,7 @@ import torch
 
 from ..errors import ErnieImageError
 from ..model_files import Header, read_folder_headers, read_header, read_json, read_safetensors, read_tensors
-from ..quant_layout import CONFIG_SUFFIX, SCALED_MARKER, header_metadata, split_quantization
+from ..quant_layout import CONFIG_SUFFIX, SCALED_MARKER, header_layers, header_metadata
 from ..structure import QUANTIZED_SUFFIXES, SCALE_SUFFIXES, Architecture, check_scales, check_structure, count_blocks
 from .dit import ErnieImageDiT
 
@@ -181,7 +181,7 @@ def check_dit_header(header: Header, source: str, declared: dict | None = None, 
                 "(ernie-image-turbo.safetensors) or a scaled fp8 file with one scale per weight.")
     # A comfy_quant layer's weight is stored in its format (NVFP4 packs two values a byte; quant_layout.py).
     quantized = {k[: -len(CONFIG_SUFFIX)] for k in header if k.endswith(CONFIG_SUFFIX)}
-    packed = frozenset(f"{layer}.weight" for layer in quantized | set(split_quantization({}, metadata)[1].layers))
+    packed = frozenset(f"{layer}.weight" for layer in quantized | set(header_layers(metadata or {})))
     count_blocks(header, "layers.", MAX_BLOCKS, source, WHAT, ADVICE, quantized=QUANTIZED_SUFFIXES, packed=packed)
     inferred = config_from_state_dict(header, source)
     if declared is None:
