@@ -1,6 +1,10 @@
-"""Core's LoRA reading: its key conversions and weight adapters (LoRA, DoRA, LoHa, LoKr, diffs)."""
+"""Core's LoRA reading: its key conversions and weight adapters (LoRA, DoRA, LoHa, LoKr, diffs), and whether a
+patch core read fits the weight it names (core itself, given one that does not, logs an error when the model loads and
+leaves the weight as it was; 0.3.75 has no ``comfy.lora.calculate_shape`` to ask)."""
 
 from __future__ import annotations
+
+import math
 
 import comfy.lora
 import comfy.lora_convert
@@ -15,3 +19,82 @@ def convert_lora(lora: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def lora_patches(lora: dict[str, torch.Tensor], key_map: dict[str, str]) -> dict:
     """The patches core's adapters read from ``lora`` for the model keys ``key_map`` names (layer → model key)."""
     return comfy.lora.load_lora(lora, key_map, log_missing=False)
+
+
+# Core's weight adapters (``comfy.weight_adapter``), told apart by their class names and read through their
+# ``weights`` tuples as core's formulas use them. The orthogonal ones rotate blocks of rows: no product to make.
+_BLOCK_ADAPTERS = ("OFTAdapter", "BOFTAdapter")
+_DORA_INDEX = {"LoRAAdapter": 4, "LoHaAdapter": 7, "LoKrAdapter": 8}  # where each keeps its DoRA scale
+
+
+def _meta(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """The tensor's shape alone: core's formulas run on the meta device give the shape of the weight a patch makes,
+    with no arithmetic done."""
+    return None if tensor is None else torch.empty(tensor.shape, device="meta")
+
+
+def _product(a: torch.Tensor | None, b: torch.Tensor | None, tucker: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b``, or with a Tucker core as LyCORIS writes it (core's ``einsum``)."""
+    if tucker is not None:
+        return torch.einsum("i j k l, j r, i p -> p r k l", tucker, b, a)
+    return torch.mm(a, b)
+
+
+def _made(patch) -> torch.Tensor | None:
+    """What ``patch`` adds to (or sets as) its weight, on the meta device, by core's own formula for each kind; None
+    for the kinds this does not model (GLoRA: core's own handling stands)."""
+    if isinstance(patch, tuple):  # ("diff", (tensor,)) or ("set", (tensor,))
+        return _meta(patch[1][0])
+    v = [_meta(t) if isinstance(t, torch.Tensor) else t for t in patch.weights]
+    kind = type(patch).__name__
+    if kind == "LoRAAdapter":
+        up, down, _, mid, _, reshape = v
+        if reshape is not None:
+            raise ValueError(f"it pads the weight to {list(reshape)}")
+        if mid is not None:  # LoCon's middle weight, as core folds it into the down weight
+            down = (torch.mm(down.transpose(0, 1).flatten(1), mid.transpose(0, 1).flatten(1))
+                    .reshape(down.shape[1], down.shape[0], *mid.shape[2:]).transpose(0, 1))
+        return torch.mm(up.flatten(1), down.flatten(1))
+    if kind == "LoHaAdapter":
+        w1a, w1b, _, w2a, w2b, t1, t2 = v[:7]
+        return _product(w1a, w1b, t1) * _product(w2a, w2b, t2)
+    if kind == "LoKrAdapter":
+        w1, w2, _, w1a, w1b, w2a, w2b, t2 = v[:8]
+        w1 = w1 if w1 is not None else _product(w1a, w1b)
+        w2 = w2 if w2 is not None else _product(w2a, w2b, t2)
+        return torch.kron(w1.unsqueeze(2).unsqueeze(2) if w2.dim() == 4 else w1, w2)
+    return None
+
+
+def _dora_scale(patch) -> torch.Tensor | None:
+    weights = getattr(patch, "weights", ())
+    index = _DORA_INDEX.get(type(patch).__name__)
+    return _meta(weights[index]) if index is not None and len(weights) > index else None
+
+
+def misfit(patch, shape: tuple[int, ...]) -> str | None:
+    """Why core could not apply ``patch`` exactly to a weight of ``shape`` (None: it fits). A patch fits when it
+    makes a matrix of the weight's rows by the weight's other sides (so a conv's ``[out, in, k, k]`` takes
+    ``[out, in·k·k]``), where core would merely reshape whatever has as many numbers, or fail and log."""
+    try:
+        if type(patch).__name__ in _BLOCK_ADAPTERS:
+            blocks = patch.weights[0].shape  # OFT [n, b, b], BOFT [m, n, b, b]: n blocks of b rows
+            made, needs = blocks[-3] * blocks[-1], shape[0]
+            return None if made == needs else f"its {blocks[-3]} blocks of {blocks[-1]} rows make {made} rows"
+        made = _made(patch)
+        if made is None:
+            return None
+        if isinstance(patch, tuple) and tuple(made.shape) != tuple(shape):
+            return f"the LoRA makes {list(made.shape)}, the weight is {list(shape)}"
+        if made.shape[0] != shape[0] or made[0].numel() != math.prod(shape[1:]):
+            return (f"the LoRA makes {[made.shape[0], made[0].numel()]}, the weight is "
+                    f"{[shape[0], math.prod(shape[1:])]}")
+        dora = _dora_scale(patch)
+        if dora is not None:  # DoRA rescales the patched weight by its magnitudes, axis by axis (core's formula)
+            norm = (shape[0], *[1] * (len(shape) - 1)) if dora.shape[0] == shape[0] else (1, *shape[1:2],
+                                                                                         *[1] * (len(shape) - 2))
+            weight = torch.empty(shape, device="meta")
+            weight *= dora / torch.empty(norm, device="meta")
+    except (RuntimeError, ValueError) as e:
+        return f"{e}".split("\n")[0]
+    return None
