@@ -88,7 +88,7 @@ def text_model_patcher(container: torch.nn.Module, load: torch.device, offload: 
                        what: str, chosen: bool) -> WholeModelPatcher:
     """A patcher that loads ``container`` whole on ``load`` on demand. Where the device was core's choice
     (``chosen`` False) and it cannot hold the model with everything else unloaded, the model runs on ``offload``
-    instead, said once in the log."""
+    instead, in the dtype it was read in (bf16 on the CPU holds half of fp32's RAM), and the log says so."""
     size = module_bytes(container)
     if not chosen and load != offload and not fits_whole(size, load):
         logging.warning("ERNIE-Image: the %s (%.1f GiB) does not fit on %s (%.1f GiB usable with nothing else "
