@@ -14,17 +14,10 @@ from ..accel.capability import METHODS
 from ..accel.compile import compiles_by_default
 from ..accel.patching import compile_by_default
 from ..accel.quantize import load_quantized_dit
+from ..choices import SNAPSHOTS, ModelList, files
 from ..errors import ErnieImageError
 from ..host.memory import compute_dtype, core_unet_dtype, fits_whole, torch_device, usable_memory
 from ..host.sizes import module_bytes
-from ..paths import (
-    SNAPSHOT_PREFIX,
-    check_choice,
-    model_file_path,
-    safetensors_names,
-    snapshot_names,
-    snapshot_path,
-)
 from ..pe.local import LocalPromptEnhancer
 from ..pe.nodes import ErniePEType
 from ..text.managed import ManagedTextEncoder
@@ -39,6 +32,10 @@ WEIGHT_DTYPES = {"default": None, "bf16": torch.bfloat16, "fp32": torch.float32,
 RUNNABLE_DTYPES = [torch.bfloat16, torch.float32]  # what the pack's DiT computes in
 STORAGE_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]  # what it may keep its block weights in, cast per layer
 QUANTIZATION_METHODS = list(METHODS)
+# Before the one grammar (``choices``), the all-in-one loader listed a snapshot bare, the DiT and VAE loaders a file.
+SNAPSHOT_MODELS = ModelList((SNAPSHOTS,), legacy="diffusers")
+DIT_MODELS = ModelList((files("diffusion_models"), SNAPSHOTS), legacy="diffusion_models")
+VAE_MODELS = ModelList((files("vae"),), legacy="vae")
 
 def _weight_dtypes(choice: str) -> tuple[torch.dtype, torch.dtype | None]:
     """The DiT's compute dtype and its block weights' dtype (None: an fp8 file's own fp8, else the compute dtype).
@@ -126,8 +123,8 @@ class ErnieImageLoader(io.ComfyNode):
             description="Loads a Hugging Face ERNIE-Image snapshot from models/diffusers: DiT, text encoder, VAE "
             "and, when the snapshot has one, the Prompt Enhancer. Samples like diffusers (shift 4.0, text mask).",
             inputs=[
-                io.Combo.Input("model_name", options=snapshot_names(),
-                               tooltip="A snapshot folder under models/diffusers (baidu/ERNIE-Image(-Turbo))."),
+                SNAPSHOT_MODELS.input("model_name", tooltip="A snapshot folder under models/diffusers "
+                                      "(baidu/ERNIE-Image(-Turbo)), listed as diffusers/<folder>."),
                 *_weight_inputs(),
                 text_encoder_device_input("text_encoder_device"),
             ],
@@ -141,12 +138,12 @@ class ErnieImageLoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, model_name: str) -> bool | str:
-        return check_choice(model_name, snapshot_names(), "diffusers")
+        return SNAPSHOT_MODELS.check(model_name)
 
     @classmethod
     def execute(cls, model_name: str, weight_dtype: str = "default", quantization: str = "none",
                 text_encoder_device: str = "default") -> io.NodeOutput:
-        snapshot = snapshot_path(model_name)
+        snapshot = SNAPSHOT_MODELS.resolve(model_name).path
         model = _load_model(snapshot, weight_dtype, quantization, snapshot_shift(snapshot))
         return io.NodeOutput(
             model,
@@ -156,14 +153,9 @@ class ErnieImageLoader(io.ComfyNode):
         )
 
 
-def _dit_choices() -> list[str]:
-    return safetensors_names("diffusion_models") + [SNAPSHOT_PREFIX + n for n in snapshot_names()]
-
-
 class ErnieImageDiTLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        options = _dit_choices()
         return io.Schema(
             node_id="ErnieImageDiTLoader",
             display_name="ERNIE-Image DiT Loader",
@@ -171,8 +163,8 @@ class ErnieImageDiTLoader(io.ComfyNode):
             description="Loads the ERNIE-Image diffusion transformer from models/diffusion_models (the ComfyUI "
             "repack) or from a snapshot folder's transformer/ (listed as diffusers/<name>).",
             inputs=[
-                io.Combo.Input("model_name", options=options,
-                               tooltip="ernie-image(-turbo).safetensors, or diffusers/<snapshot folder>."),
+                DIT_MODELS.input("model_name", tooltip="diffusion_models/ernie-image(-turbo).safetensors, or "
+                                 "diffusers/<snapshot folder>."),
                 *_weight_inputs(),
             ],
             outputs=[io.Model.Output()],
@@ -180,15 +172,13 @@ class ErnieImageDiTLoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, model_name: str) -> bool | str:
-        return check_choice(model_name, _dit_choices(), "diffusion_models")
+        return DIT_MODELS.check(model_name)
 
     @classmethod
     def execute(cls, model_name: str, weight_dtype: str = "default", quantization: str = "none") -> io.NodeOutput:
-        if model_name.startswith(SNAPSHOT_PREFIX):
-            snapshot = snapshot_path(model_name[len(SNAPSHOT_PREFIX):])
-            return io.NodeOutput(_load_model(snapshot, weight_dtype, quantization, snapshot_shift(snapshot)))
-        path = model_file_path("diffusion_models", model_name)
-        return io.NodeOutput(_load_model(path, weight_dtype, quantization, DEFAULT_SHIFT))
+        model = DIT_MODELS.resolve(model_name)
+        shift = snapshot_shift(model.path) if model.folder == SNAPSHOTS.folder else DEFAULT_SHIFT
+        return io.NodeOutput(_load_model(model.path, weight_dtype, quantization, shift))
 
 
 class ErnieImageScheduler(io.ComfyNode):
@@ -224,17 +214,17 @@ class ErnieImageVAELoader(io.ComfyNode):
             category="ERNIE-Image/loaders",
             description="Loads the Flux.2 VAE file (flux2-vae.safetensors) for ERNIE-Image latents with the trained "
             "batch-norm epsilon, so it decodes exactly as diffusers does (core's VAE Loader assumes 1e-4).",
-            inputs=[io.Combo.Input("vae_name", options=safetensors_names("vae"), tooltip="A file in models/vae.")],
+            inputs=[VAE_MODELS.input("vae_name", tooltip="A file in models/vae, listed as vae/<file>.")],
             outputs=[io.Vae.Output()],
         )
 
     @classmethod
     def validate_inputs(cls, vae_name: str) -> bool | str:
-        return check_choice(vae_name, safetensors_names("vae"), "vae")
+        return VAE_MODELS.check(vae_name)
 
     @classmethod
     def execute(cls, vae_name: str) -> io.NodeOutput:
-        return io.NodeOutput(load_vae(model_file_path("vae", vae_name)))
+        return io.NodeOutput(load_vae(VAE_MODELS.resolve(vae_name).path))
 
 
 DIT_NODES = [ErnieImageLoader, ErnieImageDiTLoader, ErnieImageScheduler, ErnieImageVAELoader]
