@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ErnieImageError
-from ..host import ops
+from ..host import attention, ops
 from ..model_files import builds_weights
 from ..quant_layout import FP8_FORMATS, QuantLayers, fold_quantization, header_metadata, split_quantization
 from .model import ErnieImageDiffusionModel
@@ -60,7 +60,8 @@ def build_diffusion_model(state_dict: dict[str, torch.Tensor], config: dict, dty
         weights, quantized = fold_quantization(weights, quantized, dtype), QuantLayers()
     operations, tensors, mixed_formats = _operations(weights, quantized, storage, dtype, load_device)
     with torch.device("meta"):
-        model = ErnieImageDiffusionModel(**config, dtype=storage, operations=operations)
+        model = ErnieImageDiffusionModel(**config, dtype=storage, operations=operations,
+                                         attention=attention.core_plan())
     block_linear = {f"{name}.weight" for name, module in model.named_modules()
                     if isinstance(module, torch.nn.Linear) and name.startswith("layers.")}
 
