@@ -43,20 +43,23 @@ def started_with(monkeypatch):
 
 def test_each_switch_gives_its_plan(started_with, caplog):
     caplog.set_level(logging.INFO)
+    def plan() -> attention.AttentionPlan:
+        return attention.AttentionPlan(*host_attention.core_attention_choice())
+
     started_with(None, "attention_sub_quad")  # core's own default on the CPU: not the user's choice
-    assert host_attention.core_plan() == attention.SDPA
+    assert plan() == attention.SDPA
     started_with("use_split_cross_attention", "attention_split")
-    assert host_attention.core_plan() == attention.AttentionPlan(function=core_attention.attention_split)
+    assert plan() == attention.AttentionPlan(function=core_attention.attention_split)
     assert "the DiT follows --use-split-cross-attention (core's attention_split)" in caplog.text
     started_with("use_quad_cross_attention", "attention_sub_quad")
-    assert host_attention.core_plan() == attention.AttentionPlan(function=core_attention.attention_sub_quad)
+    assert plan() == attention.AttentionPlan(function=core_attention.attention_sub_quad)
     started_with("use_split_cross_attention", "attention_xformers")  # xformers installed: core ignores the switch
-    assert host_attention.core_plan() == attention.SDPA
+    assert plan() == attention.SDPA
     started_with("use_flash_attention", "attention_flash")
-    assert host_attention.core_plan() == attention.AttentionPlan(kernel="flash")
+    assert plan() == attention.AttentionPlan(kernel="flash")
     assert "the DiT follows --use-flash-attention (PyTorch's FlashAttention kernel)" in caplog.text
     started_with("use_sage_attention", "attention_sage")
-    assert host_attention.core_plan() == attention.SDPA
+    assert plan() == attention.SDPA
     assert "does not follow --use-sage-attention: SageAttention rounds Q and K to 8 bits" in caplog.text
 
 

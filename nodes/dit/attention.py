@@ -1,5 +1,5 @@
 """How the DiT attends: PyTorch's SDPA and which of its kernels, or the attention a ComfyUI switch asks for
-(engine: no ComfyUI here; ``host.attention`` reads the switches into an ``AttentionPlan``).
+(engine: no ComfyUI here; ``host.attention`` reads the switches, ``build`` makes them an ``AttentionPlan``).
 
 ``auto`` keeps PyTorch's own order everywhere except on Hopper (sm90) CUDA GPUs, where cuDNN's attention comes
 first: at ERNIE-Image's shapes (32 heads of 128, 4k+ tokens, no mask) it is the fastest kernel PyTorch has there

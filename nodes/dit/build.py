@@ -22,6 +22,7 @@ from ..errors import ErnieImageError
 from ..host import attention, ops
 from ..model_files import builds_weights
 from ..quant_layout import FP8_FORMATS, QuantLayers, fold_quantization, header_metadata, split_quantization
+from .attention import AttentionPlan
 from .model import ErnieImageDiffusionModel
 from .weights import read_dit
 
@@ -61,7 +62,7 @@ def build_diffusion_model(state_dict: dict[str, torch.Tensor], config: dict, dty
     operations, tensors, mixed_formats = _operations(weights, quantized, storage, dtype, load_device)
     with torch.device("meta"):
         model = ErnieImageDiffusionModel(**config, dtype=storage, operations=operations,
-                                         attention=attention.core_plan())
+                                         attention=AttentionPlan(*attention.core_attention_choice()))
     block_linear = {f"{name}.weight" for name, module in model.named_modules()
                     if isinstance(module, torch.nn.Linear) and name.startswith("layers.")}
 

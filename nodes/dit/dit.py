@@ -8,6 +8,10 @@ renaming. What differs is how it runs:
   part of the weights off the GPU and cast them per layer when used (partial loading, fp8 storage), and ComfyUI's
   LoRA patches reach each weight by its key.
 - The hidden states are batch-first ``[B, S, H]`` (diffusers runs ``[S, B, H]`` and permutes around attention).
+- Attention is PyTorch's SDPA, the reference's own, unless ComfyUI was started with an attention switch that keeps
+  the reference's results to rounding: ``--use-split-cross-attention`` and ``--use-quad-cross-attention`` run
+  core's functions, ``--use-flash-attention`` puts SDPA's FlashAttention kernel first. ``--use-sage-attention`` is
+  not followed: its 8-bit Q and K would move the images off the reference (``host.attention``; the log says so).
 - RoPE's cosines and sines are computed once per forward, not twice in every block.
 - No attention mask when every text has its full length: an all-true mask keeps SDPA off its fastest kernels.
   Text lengths are host integers, so neither the decision nor the positions wait for the GPU.
@@ -146,7 +150,7 @@ class FinalNorm(torch.nn.Module):
 
 class ErnieImageDiT(torch.nn.Module):
     """ERNIE-Image's diffusion transformer; the arguments are diffusers' config (``transformer/config.json``), and
-    ``attention``: how it attends (``host.attention.core_plan``: what ComfyUI's switches ask for, where it keeps
+    ``attention``: how it attends (``host.attention``: what ComfyUI's switches ask for, where it keeps
     diffusers' results to rounding).
 
     It applies no attention or block patches of a run's ``transformer_options`` (``patches``, ``patches_replace``,

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import comfy.ldm.modules.attention as core_attention
 from comfy.cli_args import args
-
-from ..dit.attention import SDPA, AttentionPlan
 
 # Each switch (argparse's name) and the function of core's it selects: a switch took effect where core's choice is
 # that function (xformers, where installed, comes before the split, quad and flash switches).
@@ -32,20 +31,22 @@ _SWITCHES = {"use_split_cross_attention": "attention_split", "use_quad_cross_att
              "use_flash_attention": "attention_flash", "use_sage_attention": "attention_sage"}
 
 
-def core_plan() -> AttentionPlan:
-    """How the DiT attends on this ComfyUI (the module's rule)."""
+def core_attention_choice() -> tuple[Callable | None, str]:
+    """How the DiT attends on this ComfyUI (the module's rule): core's attention function to call instead of
+    PyTorch's SDPA (None: SDPA), and the SDPA kernel to put first (``auto``: the pack's own order); the fields of
+    ``dit.attention.AttentionPlan``."""
     switch = next((name for name in _SWITCHES if getattr(args, name, False)), None)  # they exclude each other
     function = getattr(core_attention, _SWITCHES.get(switch, ""), None)
     if function is None or core_attention.optimized_attention is not function:
-        return SDPA
+        return None, "auto"
     if switch == "use_sage_attention":
         _say_sage_not_followed()
-        return SDPA
+        return None, "auto"
     if switch == "use_flash_attention":
         _say_followed(switch, "PyTorch's FlashAttention kernel")
-        return AttentionPlan(kernel="flash")
+        return None, "flash"
     _say_followed(switch, f"core's {function.__name__}")
-    return AttentionPlan(function=function)
+    return function, "auto"
 
 
 def _flag(switch: str) -> str:
