@@ -8,9 +8,10 @@ being ComfyUI's folder name. A snapshot is ``diffusers/ERNIE-Image-Turbo`` in ev
 Saved workflows keep their old spellings. Before, each list had its own: the all-in-one loader and the text encoder's
 named a snapshot bare (``ERNIE-Image-Turbo``), the DiT's and the VAE's a file bare; every other entry had its folder
 in front, as now. So a value whose first part is not a folder of the list is read as its loader read a bare name
-(``ModelList.legacy``); such values validate and load, but are not listed. (A file in a subfolder named like one of
-the list's folders, ``diffusion_models/vae/x.safetensors``, was spelled ``vae/x.safetensors`` before and still is:
-only a list's own folder names win.)
+(``ModelList.legacy``); such values validate and load, but are not listed. Only an old name whose first folder is
+named like the list's new folder reads otherwise now: the DiT file ``diffusion_models/diffusion_models/x`` was
+``diffusion_models/x``, which now names ``diffusion_models/x`` itself (likewise ``vae/vae/…`` and a snapshot under
+``diffusers/diffusers/``).
 
 The names are checked by ``paths``' rule wherever they are joined to a folder: each source's ``path`` is one of
 ``paths``' lookups.
