@@ -10,10 +10,8 @@ import folder_paths
 import torch
 from comfy_api.v0_0_2 import io
 
-from ..accel.capability import METHODS
 from ..accel.compile import compiles_by_default
 from ..accel.patching import compile_by_default
-from ..accel.quantize import load_quantized_dit
 from ..errors import ErnieImageError
 from ..host.memory import compute_dtype, core_unet_dtype, fits_whole, torch_device, usable_memory
 from ..host.sizes import module_bytes
@@ -27,6 +25,8 @@ from ..paths import (
 )
 from ..pe.local import LocalPromptEnhancer
 from ..pe.nodes import ErniePEType
+from ..quant.capability import METHODS
+from ..quant.quantize import load_quantized_dit
 from ..text.managed import ManagedTextEncoder
 from ..text.nodes import ErnieTextEncoderType, text_encoder_device_input
 from .build import load_dit
@@ -75,14 +75,14 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, 
     ``disable_dynamic``: on core's classic patcher also where the core streams models with dynamic VRAM (core's
     compile node asks so through ``cached_patcher_init`` when it demotes a model to compile it)."""
     dtype, storage = _weight_dtypes(weight_dtype)
-    quantized = bool(METHODS[quantization].backend)
-    if quantized and storage not in (None, dtype):
+    method = METHODS[quantization]
+    if method.quantizes and storage not in (None, dtype):
         raise ErnieImageError(f"weight_dtype {weight_dtype} and quantization {quantization} are two ways of storing "
                               "the DiT's weights: pick one (set the other to default / none).")
     device = torch_device()
     dit = load_quantized_dit(
         # A quantization method starts from the compute dtype's weights, also when the file holds fp8 ones.
-        lambda: load_dit(path, dtype, dtype if quantized else storage, load_device=device),
+        lambda: load_dit(path, dtype, dtype if method.quantizes else storage, load_device=device),
         quantization,
         source=path,
         dtype=dtype,
@@ -90,14 +90,13 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, 
         free_memory=usable_memory,
         cache_root=Path(folder_paths.models_dir) / "ernie_quantized",  # where SVDQuant DiTs are saved
     )
-    # cache-dit's W4A4 kernels and core's mixed-precision layers under torch.compile are unverified (no GPU here
-    # runs the first; the second has not run on one): those stay eager unless ErnieImageCompile asks.
-    compiles = (compiles_by_default(device) and not quantization.startswith("svdq")
-                and not getattr(dit, "quant_formats", None))
+    # Core's mixed-precision layers under torch.compile are unverified (they have not run on a GPU): a file held in
+    # them stays eager unless ErnieImageCompile asks, as do the methods that say so.
+    compiles = compiles_by_default(device) and method.compiles and not getattr(dit, "quant_formats", None)
     # Compiled blocks need their weights on the GPU: where the whole DiT fits there, core's classic patcher keeps
     # it so (as core's compile node demotes a dynamic model); elsewhere core's own choice streams it.
     resident = disable_dynamic or (compiles and fits_whole(module_bytes(dit), device))
-    patcher = make_model_patcher(dit, shift, whole=quantized, resident=resident)
+    patcher = make_model_patcher(dit, shift, whole=method.loads_whole, resident=resident)
     patcher.cached_patcher_init = (_load_model, (path, weight_dtype, quantization, shift))
     return compile_by_default(patcher) if compiles else patcher
 
