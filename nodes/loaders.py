@@ -12,10 +12,9 @@ from .accel.compile import compiles_by_default
 from .accel.patching import compile_by_default
 from .dit.build import load_dit
 from .dit.model import make_model_patcher
-from .dit.precision import WEIGHT_DTYPES, weight_dtypes
+from .dit.precision import WEIGHT_DTYPES, asked_dtypes
 from .dit.schedule import DEFAULT_SHIFT, snapshot_shift
 from .dit.vae import load_snapshot_vae
-from .errors import ErnieImageError
 from .host.memory import fits_whole, torch_device, usable_memory
 from .host.sizes import module_bytes
 from .paths import SNAPSHOT_PREFIX, check_choice, model_file_path, safetensors_names, snapshot_names, snapshot_path
@@ -32,15 +31,11 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, 
 
     ``disable_dynamic``: on core's classic patcher also where the core streams models with dynamic VRAM (core's
     compile node asks so through ``cached_patcher_init`` when it demotes a model to compile it)."""
-    dtype, storage = weight_dtypes(weight_dtype)
     method = METHODS[quantization]
-    if method.quantizes and storage not in (None, dtype):
-        raise ErnieImageError(f"weight_dtype {weight_dtype} and quantization {quantization} are two ways of storing "
-                              "the DiT's weights: pick one (set the other to default / none).")
+    dtype, storage = asked_dtypes(weight_dtype, quantization, method.quantizes)
     device = torch_device()
     dit = load_quantized_dit(
-        # A quantization method starts from the compute dtype's weights, also when the file holds fp8 ones.
-        lambda: load_dit(path, dtype, dtype if method.quantizes else storage, load_device=device),
+        lambda: load_dit(path, dtype, storage, load_device=device),
         quantization,
         source=path,
         dtype=dtype,
