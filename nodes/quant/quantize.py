@@ -77,7 +77,7 @@ def quantize_torchao(transformer: torch.nn.Module, quant_type: str, on: torch.de
     home = next(transformer.parameters()).device
     start = time.perf_counter()
     # Outside the inference mode ComfyUI runs nodes in: torchao's weights cannot change device inside it
-    # (``nodes/managed.py`` says why).
+    # (``host/patchers.py`` says why).
     with torch.inference_mode(False):
         quantize(transformer.to(on), QuantizeConfig(quant_type=quant_type))
         transformer.to(home)
