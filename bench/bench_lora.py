@@ -101,12 +101,12 @@ def torchao_refusal(state: dict, config: dict, lora_path: Path, device: torch.de
     any ComfyUI load (a DiT loaded under inference mode holds inference tensors, which torchao cannot quantize)."""
     from safetensors.torch import load_file
 
-    from comfyui_ernie_image.nodes.accel.quantize import load_quantized_dit
     from comfyui_ernie_image.nodes.dit.build import build_diffusion_model
     from comfyui_ernie_image.nodes.dit.model import make_model_patcher
     from comfyui_ernie_image.nodes.errors import ErnieImageError
     from comfyui_ernie_image.nodes.host.memory import usable_memory
     from comfyui_ernie_image.nodes.lora.patching import apply_lora
+    from comfyui_ernie_image.nodes.quant.quantize import load_quantized_dit
 
     dit = build_diffusion_model(state, config, torch.bfloat16)
     note = "quantized fp8_per_row by the loader's path"

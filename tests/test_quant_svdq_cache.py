@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from comfyui_ernie_image.nodes.accel.quantize import load_or_build_svdq
-from comfyui_ernie_image.nodes.accel.svdq_cache import RECORD, SVDQCache, source_identity
 from comfyui_ernie_image.nodes.dit.build import load_dit
 from comfyui_ernie_image.nodes.errors import ErnieImageError
+from comfyui_ernie_image.nodes.quant.quantize import load_or_build_svdq
+from comfyui_ernie_image.nodes.quant.svdq_cache import RECORD, SVDQCache, source_identity
 
 METHOD = "svdq_int4_r32_dq"
 VERSIONS = {"cache_dit": "1.5.3"}

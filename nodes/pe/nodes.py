@@ -12,6 +12,7 @@ from comfy_api.v0_0_2 import io, ui
 
 from ..host.memory import device_options
 from ..paths import check_choice
+from ..sockets import ErniePEType
 from .cache import CACHE_MODES, ResultCache, enhance_cached
 from .local import DTYPES, LocalPromptEnhancer
 from .locate import pe_choices, pe_path
@@ -25,8 +26,6 @@ from .protocol import (
 )
 from .remote import RemotePromptEnhancer
 from .runtime import default_runtime
-
-ErniePEType = io.Custom("ERNIE_PE")
 
 
 class ErnieImagePELoader(io.ComfyNode):

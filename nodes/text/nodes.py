@@ -14,9 +14,8 @@ from ..paths import (
     snapshot_names,
     snapshot_path,
 )
+from ..sockets import ErnieTextEncoderType
 from .managed import ManagedTextEncoder
-
-ErnieTextEncoderType = io.Custom("ERNIE_TEXT_ENCODER")
 
 
 def _is_single_file(name: str) -> bool:
