@@ -17,7 +17,7 @@ import requests
 import torch
 import websocket
 
-from comfy_headless import ComfyServer
+from scripts.comfy_headless import ComfyServer
 
 REPO = Path(__file__).resolve().parents[1]
 WORKFLOW = REPO / "tests" / "workflows" / "ernie_image_turbo.json"
@@ -31,7 +31,7 @@ def choose_models(models_dir: Path) -> tuple[Path, str, int]:
         return models_dir, REAL_SNAPSHOT, 1024
     tiny_dir = REPO / ".cache" / "tiny-models"
     if not (tiny_dir / "diffusers" / TINY_SNAPSHOT / "model_index.json").is_file():
-        from tiny_models import write_models_folder
+        from scripts.tiny_models import write_models_folder
 
         print(f"no snapshot at {models_dir / 'diffusers' / REAL_SNAPSHOT}: generating tiny random models")
         write_models_folder(tiny_dir)
