@@ -15,7 +15,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
-# DESIGN.md §2: the released 8B DiT.
+# docs/ARCHITECTURE.md §2: the released 8B DiT.
 TRUE_DIT = dict(
     hidden_size=4096, num_attention_heads=32, num_layers=36, ffn_hidden_size=12288, in_channels=128,
     out_channels=128, text_in_dim=3072, rope_axes_dim=(32, 48, 48),

@@ -35,7 +35,7 @@ from scripts.tiny_models import (
 )
 
 TURBO, BASE = "ERNIE-Image-Turbo", "ERNIE-Image"
-# Ministral 3 3B, the text encoder's language model and the PE (DESIGN.md §2: 3.4B, tied embeddings).
+# Ministral 3 3B, the text encoder's language model and the PE (docs/ARCHITECTURE.md §2: 3.4B, tied embeddings).
 TRUE_MINISTRAL = dict(vocab_size=131072, hidden_size=3072, intermediate_size=9216, num_hidden_layers=26,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
                       bos_token_id=1, eos_token_id=2, pad_token_id=3)
