@@ -20,7 +20,7 @@ from comfyui_ernie_image.nodes.host.memory import usable_memory
 from comfyui_ernie_image.nodes.host.patchers import WholeModelPatcher, place
 from comfyui_ernie_image.nodes.quant.quantize import quantization_device
 from comfyui_ernie_image.nodes.text.managed import ManagedTextEncoder
-from tiny_models import TINY_DIT
+from scripts.tiny_models import TINY_DIT
 
 GPU = torch.device("meta")
 

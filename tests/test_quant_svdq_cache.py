@@ -170,7 +170,7 @@ def svdq_without_kernels(monkeypatch):
 def tiny_dit_file(tmp_path):
     from diffusers import ErnieImageTransformer2DModel
 
-    from tiny_models import TINY_DIT, save_dit_single_file
+    from scripts.tiny_models import TINY_DIT, save_dit_single_file
 
     torch.manual_seed(0)
     return save_dit_single_file(ErnieImageTransformer2DModel(**{**TINY_DIT, "num_layers": 2}),
