@@ -285,7 +285,7 @@ def profile_bf16(transformer, inputs) -> None:
 
 def fp8_pack(transformer) -> torch.nn.Module:
     """The pack's DiT with a copy of ``transformer``'s weights, quantized as the loader's ``fp8_per_row`` does."""
-    from comfyui_ernie_image.nodes.accel.quantize import quantize_torchao
+    from comfyui_ernie_image.nodes.quant.quantize import quantize_torchao
 
     return quantize_torchao(pack_dit(copy.deepcopy(transformer)), "float8_per_row", torch.device("cuda"))
 

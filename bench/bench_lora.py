@@ -2,7 +2,7 @@
 
 True-size ERNIE-Image DiT with random weights as the pack's MODEL (``make_model_patcher``), its blocks' weights in
 bf16 and in fp8_e4m3fn storage (weight_dtype fp8_e4m3fn: the quantized form that takes LoRAs). The LoRA: rank 64 on
-every block linear layer, PEFT layout (``e2e_models.write_lora``), read from disk. Per weights, in one process:
+every block linear layer, PEFT layout (``common.write_lora``), read from disk. Per weights, in one process:
 - load s: ComfyUI loading the MODEL onto the GPU (``load_models_gpu``, from the CPU where the loader leaves it);
   with the LoRA: the file read + ``apply_lora`` (the LoRA loader's) + that load, where core merges the patches;
 - resident / peak GiB: GPU memory allocated after the load, and its peak during it, over what was there before;
@@ -29,8 +29,7 @@ from pathlib import Path
 import torch
 from bench_dit_sampling import comfy_sampling
 from bench_native_dit import TINY
-from common import TRUE_DIT, machine, random_true_size_dit, use_comfyui
-from e2e_models import write_lora
+from common import TRUE_DIT, machine, random_true_size_dit, use_comfyui, write_lora
 
 GIB, NAN = 2**30, float("nan")
 CUDA = False  # set by main: on the CPU (a smoke run) times and memory are nan
@@ -101,12 +100,12 @@ def torchao_refusal(state: dict, config: dict, lora_path: Path, device: torch.de
     any ComfyUI load (a DiT loaded under inference mode holds inference tensors, which torchao cannot quantize)."""
     from safetensors.torch import load_file
 
-    from comfyui_ernie_image.nodes.accel.quantize import load_quantized_dit
     from comfyui_ernie_image.nodes.dit.build import build_diffusion_model
     from comfyui_ernie_image.nodes.dit.model import make_model_patcher
     from comfyui_ernie_image.nodes.errors import ErnieImageError
     from comfyui_ernie_image.nodes.host.memory import usable_memory
     from comfyui_ernie_image.nodes.lora.patching import apply_lora
+    from comfyui_ernie_image.nodes.quant.quantize import load_quantized_dit
 
     dit = build_diffusion_model(state, config, torch.bfloat16)
     note = "quantized fp8_per_row by the loader's path"

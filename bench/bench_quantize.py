@@ -1,7 +1,7 @@
 """The quantized ERNIE-Image DiT vs bf16 on one GPU, in one process (issue: quantization and memory).
 
 True-size DiT (8.03B) with random weights, 1024x1024 (64x64 latent), 256 text tokens. For bf16 and each quantization
-method this GPU can run, done the way the loader does it (``nodes.accel.quantize``):
+method this GPU can run, done the way the loader does it (``nodes.quant.quantize``):
 - quantize s: from CPU-resident bf16 weights (as read from disk), on the GPU when the bf16 DiT fits there (else on
   the CPU, as the loader chooses);
 - weights GiB: GPU memory of the DiT's weights, measured (ComfyUI's estimate: the pack's ModelPatcher size);
@@ -62,8 +62,8 @@ def forward_ms(model, inputs: dict) -> float:
 def quantize(model, variant: str, on: torch.device) -> torch.nn.Module:
     """As the loader node does, under inference mode like every node in ComfyUI's executor. (torchao's weights made
     outside inference mode refuse ``detach`` inside it, where ComfyUI moves and sizes models.)"""
-    from comfyui_ernie_image.nodes.accel.capability import METHODS
-    from comfyui_ernie_image.nodes.accel.quantize import quantize_torchao
+    from comfyui_ernie_image.nodes.quant.capability import METHODS
+    from comfyui_ernie_image.nodes.quant.quantize import quantize_torchao
 
     with torch.inference_mode():
         return model if variant == "bf16" else quantize_torchao(model, METHODS[variant].quant_type, on)
@@ -71,9 +71,9 @@ def quantize(model, variant: str, on: torch.device) -> torch.nn.Module:
 
 def measure_eager(variant: str, inputs: dict, reference: torch.Tensor | None) -> tuple[dict, torch.Tensor]:
     """Quantize as the loader does, then weight memory, eager time and error; also returns the output."""
-    from comfyui_ernie_image.nodes.accel.quantize import quantization_device
     from comfyui_ernie_image.nodes.dit.model import make_model_patcher
     from comfyui_ernie_image.nodes.host.memory import usable_memory
+    from comfyui_ernie_image.nodes.quant.quantize import quantization_device
 
     model = seeded_dit().to("cpu")  # where the loader has the weights after reading them
     free()
@@ -141,11 +141,11 @@ def measure_run(variant: str) -> dict:
     from diffusers import AutoencoderKLFlux2
 
     from comfyui_ernie_image.nodes.accel.patching import compile_by_default
-    from comfyui_ernie_image.nodes.accel.quantize import quantization_device
     from comfyui_ernie_image.nodes.dit.model import make_model_patcher
     from comfyui_ernie_image.nodes.dit.schedule import reference_sigmas
     from comfyui_ernie_image.nodes.dit.vae import make_vae
     from comfyui_ernie_image.nodes.host.memory import usable_memory
+    from comfyui_ernie_image.nodes.quant.quantize import quantization_device
     from comfyui_ernie_image.nodes.text.encoder import ErnieTextEncoder
     from comfyui_ernie_image.nodes.text.managed import ManagedTextEncoder
 
@@ -292,7 +292,7 @@ def main() -> None:
                         help="no compiled timing starts after this many seconds (a device call lasts 10 minutes)")
     args = parser.parse_args()
     use_comfyui()
-    from comfyui_ernie_image.nodes.accel.capability import METHODS, probe, problem
+    from comfyui_ernie_image.nodes.quant.capability import METHODS, probe, problem
 
     facts = probe(DEVICE)
     print(facts, flush=True)

@@ -1,4 +1,5 @@
-"""Shared pieces of the GPU benchmarks: a true-size random ERNIE-Image DiT, CUDA timing, environment setup."""
+"""Shared pieces of the GPU benchmarks and the GPU end-to-end check (``checks/gpu/``): a true-size random
+ERNIE-Image DiT and a LoRA for it, CUDA timing, environment setup."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
-# DESIGN.md §2: the released 8B DiT.
+# docs/ARCHITECTURE.md §2: the released 8B DiT.
 TRUE_DIT = dict(
     hidden_size=4096, num_attention_heads=32, num_layers=36, ffn_hidden_size=12288, in_channels=128,
     out_channels=128, text_in_dim=3072, rope_axes_dim=(32, 48, 48),
@@ -56,6 +57,21 @@ def random_true_size_dit(dtype: torch.dtype = torch.bfloat16, device: str = "cud
         else:
             param.normal_(0.0, 0.02)
     return model.eval()
+
+
+def write_lora(transformer: torch.nn.Module, path: Path, rank: int) -> Path:
+    """A LoRA of ``rank`` on every block linear layer of ``transformer`` (PEFT keys), small random deltas."""
+    from safetensors.torch import save_file
+
+    generator, tensors = torch.Generator().manual_seed(0), {}
+    for name, module in transformer.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.startswith("layers."):
+            for key, shape in (("lora_A", (rank, module.in_features)), ("lora_B", (module.out_features, rank))):
+                tensors[f"transformer.{name}.{key}.weight"] = (0.01 * torch.randn(shape, generator=generator)).to(
+                    torch.bfloat16)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path)
+    return path
 
 
 def pack_dit(model, dtype: torch.dtype = torch.bfloat16):

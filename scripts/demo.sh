@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-exec .venv/bin/python scripts/run_workflow.py "$@"
+exec .venv/bin/python -m scripts.run_workflow "$@"

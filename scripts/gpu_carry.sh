@@ -2,7 +2,7 @@
 # Assembles .gpu/ (git-ignored, about 34 MB) for the GPU end-to-end check on a machine without a package index:
 # ComfyUI 0.3.75's core without its tests, and wheels of what the H200 image lacks (Python 3.12). There, run:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl
-#   PYTHONPATH=/tmp/site python3 bench/gpu_e2e.py [--tier full]
+#   PYTHONPATH=/tmp/site python3 checks/gpu/gpu_e2e.py [--tier full]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh > /dev/null

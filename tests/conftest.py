@@ -18,7 +18,6 @@ COMFY_DIR = Path(os.environ.get("ERNIE_TEST_COMFYUI", REPO / ".cache" / "comfyui
 PACK_NAME = "comfyui_ernie_image"
 
 sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "scripts"))
 
 
 def _import_comfyui() -> None:
@@ -49,7 +48,7 @@ _import_pack()
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """A ComfyUI models folder with a tiny ERNIE-Image snapshot and the same DiT as a single file."""
-    from tiny_models import write_models_folder
+    from scripts.tiny_models import write_models_folder
 
     models_dir = tmp_path_factory.mktemp("models")
     paths = write_models_folder(models_dir)
@@ -80,7 +79,7 @@ def placed(tiny_models, comfy_paths):
 @pytest.fixture(scope="session")
 def comfy_server(tiny_models, tmp_path_factory):
     """A real headless ComfyUI (subprocess, CPU) with this pack installed under custom_nodes/."""
-    from comfy_headless import ComfyServer
+    from scripts.comfy_headless import ComfyServer
 
     server = ComfyServer(COMFY_DIR, tmp_path_factory.mktemp("comfy_base"), REPO, tiny_models["models_dir"])
     server.start()

@@ -53,7 +53,7 @@ def _image(server, model_nodes=(), **run) -> np.ndarray:
 @pytest.fixture(scope="module")
 def fresh(tiny_models, tmp_path_factory) -> dict[str, np.ndarray]:
     """Run B alone in a fresh server process: cached first (its very first run), then plain."""
-    from comfy_headless import ComfyServer
+    from scripts.comfy_headless import ComfyServer
 
     base = tmp_path_factory.mktemp("fresh_comfy")
     (base / "custom_nodes").mkdir()

@@ -16,9 +16,10 @@ import torch
 
 from comfyui_ernie_image.nodes.accel.cache import CacheRun, step_index, stored_streams
 from comfyui_ernie_image.nodes.accel.cache_presets import BASE_STEPS, PRESETS, TURBO_STEPS, CacheSettings, resolve
-from comfyui_ernie_image.nodes.accel.patching import CacheJob, apply_cache, dit_blocks
+from comfyui_ernie_image.nodes.accel.patching import CacheJob, apply_cache
 from comfyui_ernie_image.nodes.dit.schedule import reference_sigmas
 from comfyui_ernie_image.nodes.errors import ErnieImageError
+from comfyui_ernie_image.nodes.host.model import dit_blocks
 from helpers.accel import CallCounter, held_bytes, module_state, sample, text, tiny_patcher
 
 STATIC_MEDIUM = CacheSettings(steps_mask="medium", steps_mask_cache="static")  # 8 steps: mask 11110101

@@ -17,13 +17,13 @@ from comfy.cli_args import args
 from diffusers import ErnieImageTransformer2DModel
 from PIL import Image
 
-from comfy_headless import ComfyServer
 from comfyui_ernie_image.nodes.dit import attention
 from comfyui_ernie_image.nodes.dit.build import build_diffusion_model
 from comfyui_ernie_image.nodes.host import attention as host_attention
 from conftest import COMFY_DIR, REPO
 from helpers.workflows import text_to_image
-from tiny_models import TINY_DIT, randomise_zero_init
+from scripts.comfy_headless import ComfyServer
+from scripts.tiny_models import TINY_DIT, randomise_zero_init
 
 SWITCHES = ("use_split_cross_attention", "use_quad_cross_attention", "use_flash_attention", "use_sage_attention")
 

@@ -27,7 +27,7 @@ def test_single_file_config_is_the_snapshot_config(tiny_models):
 
 
 def test_released_model_shapes_give_the_released_config():
-    """Shapes of the 8B DiT (DESIGN.md §2) give its config, rope axes (32, 48, 48) included."""
+    """Shapes of the 8B DiT (docs/ARCHITECTURE.md §2) give its config, rope axes (32, 48, 48) included."""
     shapes = {
         "x_embedder.proj.weight": (4096, 128, 1, 1),
         "layers.0.adaLN_sa_ln.weight": (4096,),

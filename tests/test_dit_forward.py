@@ -12,7 +12,7 @@ from comfyui_ernie_image.nodes.dit.attention import ATTENTION_ENV, attention_cho
 from comfyui_ernie_image.nodes.dit.build import build_diffusion_model
 from comfyui_ernie_image.nodes.dit.dit import ErnieImageDiT
 from comfyui_ernie_image.nodes.errors import ErnieImageError
-from tiny_models import TINY_DIT, randomise_zero_init
+from scripts.tiny_models import TINY_DIT, randomise_zero_init
 
 
 @pytest.fixture(scope="module")

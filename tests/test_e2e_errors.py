@@ -78,7 +78,7 @@ def test_text_encoder_of_another_model_is_named_as_the_cause(comfy_server, tiny_
     then says that the text encoder is the wrong model, not that the wiring is."""
     from transformers import Ministral3ForCausalLM
 
-    from tiny_models import _ministral3_config
+    from scripts.tiny_models import _ministral3_config
 
     source = load_file(tiny_models["text_encoder_file"])
     wider = Ministral3ForCausalLM(_ministral3_config(source["model.embed_tokens.weight"].shape[0], 48))

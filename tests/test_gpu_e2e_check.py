@@ -1,4 +1,4 @@
-"""The GPU end-to-end check (``bench/gpu_e2e.py``) itself, on tiny models and the CPU: it must keep working between
+"""The GPU end-to-end check (``checks/gpu/gpu_e2e.py``) itself, on tiny models and the CPU: it must keep working between
 GPU runs. A real ComfyUI executor in a process of its own runs the Turbo, local-PE and LoRA workflows twice, then
 /free, then Turbo again; the table says so."""
 
@@ -13,7 +13,7 @@ from conftest import REPO
 def test_the_check_runs_the_workflows_through_comfyuis_executor(tmp_path):
     out = tmp_path / "out"
     finished = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "gpu_e2e.py"), "--tiny", "--cpu", "--modes", "default",
+        [sys.executable, str(REPO / "checks" / "gpu" / "gpu_e2e.py"), "--tiny", "--cpu", "--modes", "default",
          "--workflows", "ernie_image_turbo,ernie_image_pe_local,ernie_image_turbo_lora",
          "--work", str(tmp_path / "work"), "--out", str(out), "--pe-tokens", "8"],
         capture_output=True, text=True, timeout=900)

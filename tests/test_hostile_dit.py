@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from comfyui_ernie_image.nodes.dit.nodes import ErnieImageDiTLoader
 from comfyui_ernie_image.nodes.dit.weights import REQUIRED_KEYS
 from comfyui_ernie_image.nodes.errors import ErnieImageError
+from comfyui_ernie_image.nodes.loaders import ErnieImageDiTLoader
 from helpers.bounded import run_bounded
 from helpers.files import linked_copy, replace_bytes
 from helpers.quant_files import comfy_quant_fp8, nvfp4, scaled_fp8
@@ -65,7 +65,7 @@ def test_a_memory_bomb_is_refused_by_its_header_with_no_memory_taken(tiny_models
         folders = {"diffusers": tiny_models["models_dir"] / "diffusers"}
         words = "transformer/config.json says num_layers 20000, but the weights in"
     report = run_bounded(f"ErnieImageDiTLoader.execute({name!r}, 'default', 'none')", folders=folders,
-                         setup="from comfyui_ernie_image.nodes.dit.nodes import ErnieImageDiTLoader")
+                         setup="from comfyui_ernie_image.nodes.loaders import ErnieImageDiTLoader")
     assert report["outcome"] == "ErnieImageError", report
     assert words in report["message"]
     assert report["rss_growth_mb"] < 50, report

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import save_file
 from torch.overrides import TorchFunctionMode
 
-from comfyui_ernie_image.nodes.dit.nodes import ErnieImageDiTLoader, ErnieImageLoader, _load_model
 from comfyui_ernie_image.nodes.dit.vae import load_vae
+from comfyui_ernie_image.nodes.loaders import ErnieImageDiTLoader, ErnieImageLoader, _load_model
 from comfyui_ernie_image.nodes.model_files import read_safetensors
 from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
 from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer

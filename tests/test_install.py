@@ -19,8 +19,8 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-from comfy_headless import ComfyServer
 from conftest import COMFY_DIR, REPO
+from scripts.comfy_headless import ComfyServer
 
 NODE_IDS = {
     "ErnieImageLoader", "ErnieImageDiTLoader", "ErnieImageTextEncoderLoader", "ErnieImageTextEncode",

@@ -10,16 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from comfyui_ernie_image.nodes.dit.nodes import (
-    DIT_MODELS,
-    SNAPSHOT_MODELS,
-    VAE_MODELS,
-    ErnieImageDiTLoader,
-    ErnieImageLoader,
-    ErnieImageVAELoader,
-)
+from comfyui_ernie_image.nodes.dit.nodes import VAE_MODELS, ErnieImageVAELoader
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.inputs import check_inputs
+from comfyui_ernie_image.nodes.loaders import DIT_MODELS, SNAPSHOT_MODELS, ErnieImageDiTLoader, ErnieImageLoader
 from comfyui_ernie_image.nodes.pe.locate import PE_MODELS
 from comfyui_ernie_image.nodes.pe.nodes import ErnieImagePELoader
 from comfyui_ernie_image.nodes.text.nodes import TEXT_ENCODER_MODELS, ErnieImageTextEncoderLoader

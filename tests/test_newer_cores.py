@@ -51,7 +51,7 @@ def models(tiny_models, tmp_path_factory):
 
 
 def newer_core_server(models, base, changes: str):
-    from comfy_headless import ComfyServer
+    from scripts.comfy_headless import ComfyServer
 
     (base / "custom_nodes").mkdir(parents=True)
     (base / "custom_nodes" / "newer_core").symlink_to(NEWER_CORE, target_is_directory=True)

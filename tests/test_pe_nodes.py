@@ -13,7 +13,6 @@ import requests
 import websocket
 from PIL import Image
 
-from comfy_headless import free_port
 from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.locate import pe_choices
 from comfyui_ernie_image.nodes.pe.nodes import (
@@ -26,6 +25,7 @@ from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, Sam
 from comfyui_ernie_image.nodes.pe.remote import RemotePromptEnhancer
 from comfyui_ernie_image.nodes.pe.runtime import Runtime
 from helpers.pe_servers import FaultServer, RecordingProxy, chat_reply
+from scripts.comfy_headless import free_port
 
 # The headless ComfyUI inherits this process's environment when it starts: set the key, the server it is bound to,
 # and another service's secret that no workflow may name, before any test runs.

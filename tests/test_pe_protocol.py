@@ -41,7 +41,7 @@ def test_the_user_message_keeps_non_ascii_text_as_is():
 
 @pytest.fixture(scope="module")
 def baidu_template_tokenizer():
-    from tiny_models import make_tokenizer
+    from scripts.tiny_models import make_tokenizer
 
     return make_tokenizer(BAIDU_CHAT_TEMPLATE.read_text(encoding="utf-8"))
 

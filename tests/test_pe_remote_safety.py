@@ -17,7 +17,6 @@ import comfy.model_management as mm
 import pytest
 import requests
 
-from comfy_headless import free_port
 from comfyui_ernie_image.nodes.pe.cache import ResultCache, cache_key, enhance_cached
 from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
 from comfyui_ernie_image.nodes.pe.nodes import ErnieImagePERemote
@@ -33,6 +32,7 @@ from helpers.pe_servers import (
     models_reply,
     remote,
 )
+from scripts.comfy_headless import free_port
 
 PROMPT = [PromptSpec("a big dog on a red mat", 848, 1264)]
 SAMPLED = SamplingParams(temperature=0.6, top_p=0.8, max_new_tokens=20, seed=3)

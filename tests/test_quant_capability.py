@@ -8,8 +8,8 @@ import itertools
 import pytest
 import torch
 
-from comfyui_ernie_image.nodes.accel.capability import METHODS, Facts, fallback, probe, problem, require
 from comfyui_ernie_image.nodes.errors import ErnieImageError
+from comfyui_ernie_image.nodes.quant.capability import METHODS, Facts, fallback, probe, problem, require
 
 BF16 = torch.bfloat16
 QUANTIZED = [m for m in METHODS if m != "none"]

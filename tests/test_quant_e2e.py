@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from comfyui_ernie_image.nodes.accel.capability import METHODS
+from comfyui_ernie_image.nodes.quant.capability import METHODS
 from helpers.workflows import text_to_image
 
 SNAPSHOT = "ERNIE-Image-Turbo-tiny"

@@ -14,13 +14,13 @@ from diffusers import ErnieImageTransformer2DModel
 from torch.overrides import TorchFunctionMode
 from torch.testing._internal.two_tensor import TwoTensor
 
-from comfyui_ernie_image.nodes.accel.quantize import quantization_device
 from comfyui_ernie_image.nodes.dit.build import build_diffusion_model
 from comfyui_ernie_image.nodes.dit.model import make_model_patcher
 from comfyui_ernie_image.nodes.host.memory import usable_memory
 from comfyui_ernie_image.nodes.host.patchers import WholeModelPatcher, place
+from comfyui_ernie_image.nodes.quant.quantize import quantization_device
 from comfyui_ernie_image.nodes.text.managed import ManagedTextEncoder
-from tiny_models import TINY_DIT
+from scripts.tiny_models import TINY_DIT
 
 GPU = torch.device("meta")
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from comfyui_ernie_image.nodes.accel.quantize import load_or_build_svdq
-from comfyui_ernie_image.nodes.accel.svdq_cache import RECORD, SVDQCache, source_identity
 from comfyui_ernie_image.nodes.dit.build import load_dit
 from comfyui_ernie_image.nodes.errors import ErnieImageError
+from comfyui_ernie_image.nodes.quant.quantize import load_or_build_svdq
+from comfyui_ernie_image.nodes.quant.svdq_cache import RECORD, SVDQCache, source_identity
 
 METHOD = "svdq_int4_r32_dq"
 VERSIONS = {"cache_dit": "1.5.3"}
@@ -170,7 +170,7 @@ def svdq_without_kernels(monkeypatch):
 def tiny_dit_file(tmp_path):
     from diffusers import ErnieImageTransformer2DModel
 
-    from tiny_models import TINY_DIT, save_dit_single_file
+    from scripts.tiny_models import TINY_DIT, save_dit_single_file
 
     torch.manual_seed(0)
     return save_dit_single_file(ErnieImageTransformer2DModel(**{**TINY_DIT, "num_layers": 2}),

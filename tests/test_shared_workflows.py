@@ -25,10 +25,10 @@ import pytest
 import requests
 from safetensors.torch import save_file
 
-from comfy_headless import ComfyServer
 from conftest import COMFY_DIR, REPO
 from helpers.lora import LAYERS, deltas, lora_file
 from helpers.pe_servers import transformers_serve
+from scripts.comfy_headless import ComfyServer
 
 WORKFLOWS = sorted((REPO / "workflows").glob("*.json"))
 IDS = [p.stem for p in WORKFLOWS]

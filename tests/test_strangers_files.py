@@ -17,12 +17,9 @@ from pathlib import Path
 import folder_paths
 import pytest
 
-from comfyui_ernie_image.nodes.dit.nodes import (
-    ErnieImageDiTLoader,
-    ErnieImageLoader,
-    ErnieImageVAELoader,
-)
+from comfyui_ernie_image.nodes.dit.nodes import ErnieImageVAELoader
 from comfyui_ernie_image.nodes.errors import ErnieImageError
+from comfyui_ernie_image.nodes.loaders import ErnieImageDiTLoader, ErnieImageLoader
 from comfyui_ernie_image.nodes.lora.nodes import ErnieImageLoraLoader
 from comfyui_ernie_image.nodes.paths import snapshot_names, snapshot_path
 from comfyui_ernie_image.nodes.pe.nodes import ErnieImagePELoader

@@ -9,7 +9,8 @@ import comfy.model_management as mm
 import pytest
 import torch
 
-from comfyui_ernie_image.nodes.dit import nodes as dit_nodes
+from comfyui_ernie_image.nodes import loaders
+from comfyui_ernie_image.nodes.dit import precision
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 
 FLAGS = ["fp32_unet", "bf16_unet", "fp16_unet", "fp8_e4m3fn_unet", "fp8_e5m2_unet", "fp8_e8m0fnu_unet", "fp64_unet"]
@@ -19,7 +20,7 @@ FLAGS = ["fp32_unet", "bf16_unet", "fp16_unet", "fp8_e4m3fn_unet", "fp8_e5m2_une
 def flag(request, monkeypatch):
     for name in FLAGS:
         monkeypatch.setattr(mm.args, name, name == request.param)
-    dit_nodes._say_dtype_fallback.cache_clear()
+    precision._say_dtype_fallback.cache_clear()
     return request.param
 
 
@@ -27,7 +28,7 @@ def flag(request, monkeypatch):
                          indirect=["flag"])
 def test_a_flag_the_dit_runs_in_is_followed_silently(flag, expected, caplog):
     with caplog.at_level(logging.WARNING):
-        assert dit_nodes._weight_dtypes("default") == (expected, expected)
+        assert precision.weight_dtypes("default") == (expected, expected)
     assert not caplog.records
 
 
@@ -35,16 +36,16 @@ def test_a_flag_the_dit_runs_in_is_followed_silently(flag, expected, caplog):
                                            ("fp8_e5m2_unet", torch.float8_e5m2)], indirect=["flag"])
 def test_an_fp8_flag_stores_the_weights_in_fp8(flag, storage, caplog):
     with caplog.at_level(logging.WARNING):
-        assert dit_nodes._weight_dtypes("default") == (torch.float32, storage)  # computing in fp32: no bf16 here
+        assert precision.weight_dtypes("default") == (torch.float32, storage)  # computing in fp32: no bf16 here
     assert not caplog.records
 
 
 @pytest.mark.parametrize("flag", ["fp16_unet", "fp8_e8m0fnu_unet", "fp64_unet"], indirect=True)
 def test_a_flag_the_dit_cannot_run_falls_back_and_says_so_once(flag, caplog):
-    asked = mm.unet_dtype(supported_dtypes=dit_nodes.RUNNABLE_DTYPES)
+    asked = mm.unet_dtype(supported_dtypes=precision.RUNNABLE_DTYPES)
     with caplog.at_level(logging.WARNING):
-        assert dit_nodes._weight_dtypes("default") == (torch.float32, None)  # no bf16 on this CPU
-        assert dit_nodes._weight_dtypes("default") == (torch.float32, None)
+        assert precision.weight_dtypes("default") == (torch.float32, None)  # no bf16 on this CPU
+        assert precision.weight_dtypes("default") == (torch.float32, None)
     messages = [r.getMessage() for r in caplog.records]
     assert messages == [f"ERNIE-Image: ComfyUI's unet dtype flag asks for {asked}, which the ERNIE-Image DiT does not "
                         "run in; loading it in torch.float32. For FP8 weights, pick weight_dtype fp8_e4m3fn or the "
@@ -53,14 +54,14 @@ def test_a_flag_the_dit_cannot_run_falls_back_and_says_so_once(flag, caplog):
 
 @pytest.mark.parametrize("flag", ["none"], indirect=True)
 def test_without_a_flag_default_keeps_a_files_fp8(flag):
-    assert dit_nodes._weight_dtypes("default") == (torch.float32, None)  # None: the file's fp8 stays fp8
-    assert dit_nodes._weight_dtypes("fp32") == (torch.float32, torch.float32)  # explicit: upcast
+    assert precision.weight_dtypes("default") == (torch.float32, None)  # None: the file's fp8 stays fp8
+    assert precision.weight_dtypes("fp32") == (torch.float32, torch.float32)  # explicit: upcast
 
 
 @pytest.mark.parametrize("flag", ["fp8_e4m3fn_unet"], indirect=True)
 def test_an_explicit_weight_dtype_wins_over_the_flag(flag):
-    assert dit_nodes._weight_dtypes("bf16") == (torch.bfloat16, torch.bfloat16)
-    assert dit_nodes._weight_dtypes("fp8_e5m2") == (torch.float32, torch.float8_e5m2)
+    assert precision.weight_dtypes("bf16") == (torch.bfloat16, torch.bfloat16)
+    assert precision.weight_dtypes("fp8_e5m2") == (torch.float32, torch.float8_e5m2)
 
 
 @pytest.mark.parametrize("flag", ["none"], indirect=True)
@@ -69,4 +70,4 @@ def test_fp8_storage_and_a_quantization_method_together_are_refused_before_loadi
     with pytest.raises(ErnieImageError, match=r"^weight_dtype fp8_e4m3fn and quantization fp8_per_row are two ways of "
                                               r"storing the DiT's weights: pick one \(set the other to default / none\)"
                                               r"\.$"):
-        dit_nodes._load_model(missing, "fp8_e4m3fn", "fp8_per_row", 4.0)
+        loaders._load_model(missing, "fp8_e4m3fn", "fp8_per_row", 4.0)

@@ -1,1 +1,1 @@
-"""Acceleration: cache-dit caching and compile nodes; the quantization engine the DiT loaders call."""
+"""Acceleration per sampling run: cache-dit caching and regional compile, their nodes and wrappers."""

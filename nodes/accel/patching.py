@@ -27,6 +27,7 @@ import torch
 
 from ..errors import ErnieImageError
 from ..host.memory import dtype_size
+from ..host.model import dit_blocks
 from ..host.patchers import can_demote, is_dynamic
 from ..host.sampling import (
     APPLY_MODEL,
@@ -57,18 +58,6 @@ class CacheJob:
     settings: CacheSettings
     label: str  # the preset's name, for the summary
     node_id: str | None  # where the summary is shown in the UI
-
-
-def dit_blocks(model) -> tuple[torch.nn.Module, str]:
-    """The module that holds the DiT's repeated blocks, and the attribute they are in: ``diffusion_model.layers``,
-    for this pack's MODEL and for ComfyUI's native ERNIE-Image alike."""
-    diffusion_model = getattr(model.model, "diffusion_model", None)
-    if isinstance(getattr(diffusion_model, "layers", None), torch.nn.ModuleList) and len(diffusion_model.layers) > 0:
-        return diffusion_model, "layers"
-    raise ErnieImageError(
-        f"This MODEL ({type(model.model).__name__}) is not an ERNIE-Image DiT: its diffusion model has no "
-        "'layers' block list. Connect the MODEL of an ERNIE-Image loader (or ComfyUI's native ERNIE-Image)."
-    )
 
 
 def _cache_sampler_sample(executor, *args, **kwargs):

@@ -24,21 +24,21 @@ from ..model_files import builds_weights
 from ..quant_layout import FP8_FORMATS, QuantLayers, fold_quantization, header_metadata, split_quantization
 from .attention import AttentionPlan
 from .model import ErnieImageDiffusionModel
+from .precision import Precision
 from .weights import read_dit
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE = ".scale_weight"
 
 
-def _operations(weights: dict[str, torch.Tensor], quantized: QuantLayers, storage: torch.dtype,
-                dtype: torch.dtype, load_device: torch.device | None):
+def _operations(weights: dict[str, torch.Tensor], quantized: QuantLayers, precision: Precision,
+                load_device: torch.device | None):
     """Core's layers for these weights, the weights in the form those layers load, and the formats core's
     mixed-precision layers hold."""
     if not quantized.layers:
-        return ops.plain_operations(storage, dtype), weights, frozenset()
+        return ops.plain_operations(precision.storage, precision.compute), weights, frozenset()
     if quantized.scaled_fp8 and ops.has_scaled_fp8_layers() and quantized.formats <= set(FP8_FORMATS):
         return *ops.scaled_fp8_operations(weights, quantized), frozenset()
-    operations, tensors = ops.mixed_operations(weights, quantized, dtype, load_device)
+    operations, tensors = ops.mixed_operations(weights, quantized, precision.compute, load_device)
     logging.info("ERNIE-Image: %d DiT layers stay in %s, held by ComfyUI's mixed-precision layers",
                  len(quantized.layers), ", ".join(sorted(quantized.formats)))
     return operations, tensors, frozenset(quantized.formats)
@@ -51,17 +51,16 @@ def build_diffusion_model(state_dict: dict[str, torch.Tensor], config: dict, dty
     """The DiT with ``config``'s architecture holding ``state_dict``'s weights, computing in ``dtype``.
 
     ``storage``: the block linear layers' weights' dtype; None keeps an fp8 or quantized file's format, else
-    ``dtype``. ``metadata``: the file's safetensors header metadata (0.3.75's quantization layout lives there).
+    ``dtype`` (resolved once, by ``Precision.resolve``; the DiT keeps the result as ``precision``). ``metadata``:
+    the file's safetensors header metadata (0.3.75's quantization layout lives there).
     ``load_device``: where ComfyUI will run it (core leaves out quantized formats its GPU has no kernels for)."""
     weights, quantized = split_quantization(state_dict, metadata)
-    if storage is None:
-        storage = next((v.dtype for k, v in weights.items() if k.startswith("layers.") and v.dtype in FP8_DTYPES),
-                       dtype)
-    elif quantized.layers and storage not in FP8_DTYPES:
-        weights, quantized = fold_quantization(weights, quantized, dtype), QuantLayers()
-    operations, tensors, mixed_formats = _operations(weights, quantized, storage, dtype, load_device)
+    precision = Precision.resolve(dtype, storage, weights)
+    if quantized.layers and precision.unpacks:
+        weights, quantized = fold_quantization(weights, quantized, precision.compute), QuantLayers()
+    operations, tensors, mixed_formats = _operations(weights, quantized, precision, load_device)
     with torch.device("meta"):
-        model = ErnieImageDiffusionModel(**config, dtype=storage, operations=operations,
+        model = ErnieImageDiffusionModel(**config, dtype=precision.storage, operations=operations,
                                          attention=AttentionPlan(*attention.core_attention_choice()))
     block_linear = {f"{name}.weight" for name, module in model.named_modules()
                     if isinstance(module, torch.nn.Linear) and name.startswith("layers.")}
@@ -70,7 +69,7 @@ def build_diffusion_model(state_dict: dict[str, torch.Tensor], config: dict, dty
         layer, name = key.rsplit(".", 1)
         if not value.is_floating_point() or (layer in quantized.layers and name != "bias"):
             return value  # a quantized weight and its scales stay in their formats
-        return value.to(storage if key in block_linear else dtype)
+        return value.to(precision.storage if key in block_linear else precision.compute)
 
     tensors = {k: cast(k, v) for k, v in tensors.items()}
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
@@ -83,7 +82,8 @@ def build_diffusion_model(state_dict: dict[str, torch.Tensor], config: dict, dty
     for module in model.modules():
         if isinstance(getattr(module, "scale_weight", None), torch.Tensor) and module.scale_weight.is_meta:
             module.scale_weight = torch.nn.Parameter(torch.ones(()), requires_grad=False)
-    model.dtype = storage  # what ComfyUI reads as the model's weight dtype
+    model.precision = precision  # what its MODEL is configured by (model.py)
+    model.dtype = precision.storage  # what ComfyUI reads as the model's weight dtype
     model.quant_formats = mixed_formats  # the quantized formats core's layers hold (none: plain or scaled fp8)
     return model.eval()
 

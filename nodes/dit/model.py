@@ -21,6 +21,7 @@ from ..host.patchers import WholeModelPatcher, dit_patcher_class, out_of_memory
 from ..host.sampling import run_diffusion_model
 from .attention import say_unapplied_patches
 from .dit import ErnieImageDiT
+from .precision import Precision
 from .schedule import DEFAULT_SHIFT
 
 # What is left for sampling is the card less the DiT's weights on it (15 GiB in bf16 when loaded whole).
@@ -84,6 +85,8 @@ class ErnieTextLengths(CONDConstant):
 class ErnieImageDiffusionModel(ErnieImageDiT):
     """The pack's DiT behind ComfyUI's ``diffusion_model(x, t, context=..., **conds)`` convention, with core's
     diffusion-model wrappers, a check of the latent, and out-of-memory advice."""
+
+    precision: Precision  # its dtypes, as build.py resolved them
 
     def forward(self, x, timestep, context, text_lens, transformer_options={}, **kwargs):
         try:
@@ -157,8 +160,8 @@ def make_model_patcher(diffusion_model: ErnieImageDiffusionModel, shift: float =
     loading neither moves nor casts, so the model is loaded whole (``WholeModelPatcher``)."""
     config = ErnieImageConfig(ErnieImageConfig.unet_config)
     config.sampling_settings["shift"] = shift
-    compute = next(p.dtype for n, p in diffusion_model.named_parameters() if n.startswith("x_embedder"))
-    config.set_inference_dtype(diffusion_model.dtype, compute if compute != diffusion_model.dtype else None)
+    precision = diffusion_model.precision
+    config.set_inference_dtype(precision.storage, precision.manual_cast)
     subclass_weights = bool(getattr(diffusion_model, "quant_formats", None))  # core's QuantizedTensor weights
     patcher = WholeModelPatcher if whole else dit_patcher_class(resident, subclass_weights)
     return model_patcher(ErnieImageModel, config, diffusion_model, patcher)

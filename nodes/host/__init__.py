@@ -9,7 +9,8 @@ versions are never parsed, only features looked up (``hasattr``, signatures).
 - ``memory``: free memory, dtypes and devices as ComfyUI counts and chooses them, the RAM-pressure cache's sizes;
 - ``sampling``: wrappers and the memory estimate around sampling runs, the node text, progress and interrupts;
 - ``ops``: which ``comfy.ops`` layers hold the DiT's weights, quantized file layouts included;
-- ``model``: the core base classes the DiT's MODEL is made of (``model_base.ErnieImage`` where it exists);
+- ``model``: the core base classes the DiT's MODEL is made of (``model_base.ErnieImage`` where it exists), and
+  the DiT's blocks inside a MODEL;
 - ``attention``: which of core's attention switches the DiT follows;
 - ``vae``, ``lora``: core's VAE and LoRA machinery.
 """

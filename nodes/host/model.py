@@ -1,4 +1,5 @@
-"""The core classes the DiT's MODEL is made of, and the MODEL's patcher, on the running core.
+"""The core classes the DiT's MODEL is made of, the MODEL's patcher, and where a MODEL holds the DiT's blocks
+(for every feature that patches them: LoRA, Cache-DiT, compile), on the running core.
 
 Where the core has native ERNIE-Image (``comfy.model_base.ErnieImage``, ComfyUI >= 0.19), the pack's model is
 one too: core's LoRA mapping adds diffusers' ``transformer.*`` names for that class (comfy/lora.py @17358c8f), and
@@ -17,6 +18,7 @@ import comfy.model_management as mm
 import comfy.supported_models_base
 import torch
 
+from ..errors import ErnieImageError
 from .patchers import place
 
 BaseModel = comfy.model_base.BaseModel
@@ -47,3 +49,15 @@ def model_patcher(model_class: type, config: SupportedModel, diffusion_model: to
     if archive is not None:  # current cores: the dtypes dynamic VRAM casts each weight back to (core's models do so)
         archive(model.diffusion_model)
     return patcher_class(model, load_device=load_device, offload_device=offload_device)
+
+
+def dit_blocks(model) -> tuple[torch.nn.Module, str]:
+    """The module that holds the DiT's repeated blocks, and the attribute they are in: ``diffusion_model.layers``,
+    for this pack's MODEL and for ComfyUI's native ERNIE-Image alike."""
+    diffusion_model = getattr(model.model, "diffusion_model", None)
+    if isinstance(getattr(diffusion_model, "layers", None), torch.nn.ModuleList) and len(diffusion_model.layers) > 0:
+        return diffusion_model, "layers"
+    raise ErnieImageError(
+        f"This MODEL ({type(model.model).__name__}) is not an ERNIE-Image DiT: its diffusion model has no "
+        "'layers' block list. Connect the MODEL of an ERNIE-Image loader (or ComfyUI's native ERNIE-Image)."
+    )

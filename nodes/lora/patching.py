@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..accel.patching import dit_blocks
 from ..errors import ErnieImageError
 from ..host.lora import convert_lora, lora_patches, misfit
+from ..host.model import dit_blocks
 from ..structure import first_non_finite, natural
 from .keys import is_text_encoder, key_map, layer_names, made_for
 

@@ -11,6 +11,7 @@ import folder_paths
 from comfy_api.v0_0_2 import io, ui
 
 from ..host.memory import device_options
+from ..sockets import ErniePEType
 from .cache import CACHE_MODES, ResultCache, enhance_cached
 from .local import DTYPES, LocalPromptEnhancer
 from .locate import PE_MODELS, pe_path
@@ -24,8 +25,6 @@ from .protocol import (
 )
 from .remote import RemotePromptEnhancer
 from .runtime import default_runtime
-
-ErniePEType = io.Custom("ERNIE_PE")
 
 
 class ErnieImagePELoader(io.ComfyNode):

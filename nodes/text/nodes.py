@@ -7,9 +7,8 @@ from comfy_api.v0_0_2 import io
 from ..choices import SNAPSHOTS, ModelList, files
 from ..host.memory import device_options
 from ..paths import is_prompt_enhancer_file, model_file_path
+from ..sockets import ErnieTextEncoderType
 from .managed import ManagedTextEncoder
-
-ErnieTextEncoderType = io.Custom("ERNIE_TEXT_ENCODER")
 
 
 def _is_single_file(name: str) -> bool:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Starts the 0.12.1 fork of ComfyUI in-process as the GPU end-to-end check's worker does (``bench/e2e_worker.py``:
+"""Starts the 0.12.1 fork of ComfyUI in-process as the GPU end-to-end check's worker does (``checks/gpu/e2e_worker.py``:
 ``start_fork``, the pack under another folder name in a scratch base directory, ``--fast dynamic_vram``) and says,
 in a few lines, whether the check can run there: the versions it found, whether dynamic VRAM came on, the node
 modules that failed to import, and whether every node the check's twins use is registered. Exit 1 when the start
@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "checks" / "gpu"))  # the check's worker and workflow list, as the check runs them
 
 VERSIONS = ("torch", "transformers", "diffusers", "numpy", "protobuf", "wrapt", "aiohttp", "comfy-aimdo",
             "comfy_kitchen", "torchao", "cache-dit", "opentelemetry-api", "nvidia-ml-py")

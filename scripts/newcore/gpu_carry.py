@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Assembles ``.gpu-fork/`` (git-ignored) for the GPU end-to-end check on the 0.12.1 fork of ComfyUI
-(``hiddenswitch/pip-and-uv-installable-ComfyUI``, ``bench/gpu_e2e.py --core fork``) on a machine without a package
+(``hiddenswitch/pip-and-uv-installable-ComfyUI``, ``checks/gpu/gpu_e2e.py --core fork``) on a machine without a package
 index: the GPU machine's image (Python 3.12, torch 2.11, transformers 5.17, ...; the device README's KINDS.md lists
 its packages) plus what travels with the repository (64 MiB a call):
 
@@ -12,7 +12,7 @@ its packages) plus what travels with the repository (64 MiB a call):
   to a running executor that the image lacks (each of them is imported there: its configuration parser, the
   tracer ``main_pre`` makes and its instrumentors, and ``comfy.cmd.server``, which the vanilla environment for
   custom nodes imports, with its assets database and API: SQLAlchemy, alembic and pydantic define their classes at
-  import, so an empty stand-in does not do). ``bench/e2e_worker.py`` stands in for two (``FORK_STAND_INS``): ``av``
+  import, so an empty stand-in does not do). ``checks/gpu/e2e_worker.py`` stands in for two (``FORK_STAND_INS``): ``av``
   (as on 0.3.75) and ``opentelemetry.exporter`` (the OTLP exporters, made only for an endpoint; they would bring
   protobuf-generated code for a protobuf the image has at an unknown version). Node modules that fail to import
   for want of a package (kornia, openai, spandrel, vtracer) are the fork's optional nodes, logged and skipped.
@@ -61,7 +61,7 @@ GPU_CALL = (
     "nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader; "
     "timeout 300 python3 scripts/newcore/fork_check.py 2>$OUT/fork-check.log "
     "|| { tail -c 4000 $OUT/fork-check.log; exit 1; }; "
-    "python3 bench/gpu_e2e.py --core fork --modes default,card16 --parallel 2 --base-steps 20 --work /tmp/e2e "
+    "python3 checks/gpu/gpu_e2e.py --core fork --modes default,card16 --parallel 2 --base-steps 20 --work /tmp/e2e "
     "--out $OUT --deadline-s 520 2>&1 | tee $OUT/run.log | tail -c 10000"
 )
 

@@ -295,7 +295,7 @@ def fork_server(work: Path, base_dir: Path, models_dir: Path):
     """A comfy_headless.ComfyServer launched the fork's way: its ``comfyui`` command (not the deprecated main.py),
     the fork's spelling of the log level (it has no ``--verbose``) and the flags that keep it inside the work folder
     (its database, no requests cache, no known-model downloads)."""
-    from comfy_headless import ComfyServer
+    from scripts.comfy_headless import ComfyServer
 
     venv_bin = work / "venv" / "bin"
     server = ComfyServer(work / "src", base_dir, REPO, models_dir, python=venv_bin / "python")
@@ -533,7 +533,7 @@ def report(rows: list[dict], work: Path, notes: dict) -> str:
 
 
 def run_phase(args: argparse.Namespace) -> int:
-    sys.path[:0] = [str(REPO / "scripts"), str(REPO / "tests")]
+    sys.path[:0] = [str(REPO), str(REPO / "tests")]  # the development tools (scripts.*) and the tests' helpers
     work = args.work
     (work / "results").mkdir(parents=True, exist_ok=True)
     notes = json.loads((work / "results" / "notes.json").read_text())

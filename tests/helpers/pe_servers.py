@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from comfy_headless import free_port, wait_until_serving
+from scripts.comfy_headless import free_port, wait_until_serving
 
 
 @dataclass

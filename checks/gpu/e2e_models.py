@@ -15,20 +15,19 @@ A ComfyUI ``models`` folder for the GPU end-to-end check (``gpu_e2e.py``):
 
 ``true_size=True`` builds the released sizes on the GPU (an 8B DiT and two 3.4B Ministral 3 models, bf16,
 normal(0, 0.02) weights, about 37 GB on disk); otherwise the tiny models of ``scripts/tiny_models.py`` (CPU, seconds).
+
+Run from the repository root as ``python -m checks.gpu.e2e_models MODELS_DIR [--true-size]`` (``gpu_e2e.py`` does).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-
-from tiny_models import (  # noqa: E402  (scripts/ is not a package)
+from bench.common import write_lora
+from scripts.tiny_models import (
     PE_CHAT_TEMPLATE,
     make_pipeline,
     make_tokenizer,
@@ -36,7 +35,7 @@ from tiny_models import (  # noqa: E402  (scripts/ is not a package)
 )
 
 TURBO, BASE = "ERNIE-Image-Turbo", "ERNIE-Image"
-# Ministral 3 3B, the text encoder's language model and the PE (DESIGN.md §2: 3.4B, tied embeddings).
+# Ministral 3 3B, the text encoder's language model and the PE (docs/ARCHITECTURE.md §2: 3.4B, tied embeddings).
 TRUE_MINISTRAL = dict(vocab_size=131072, hidden_size=3072, intermediate_size=9216, num_hidden_layers=26,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
                       bos_token_id=1, eos_token_id=2, pad_token_id=3)
@@ -73,7 +72,6 @@ def _writes_words(pe: torch.nn.Module, tokenizer) -> torch.nn.Module:
 
 def true_size_pipeline():
     """The released architecture at full size with random weights, bf16 on the GPU."""
-    from common import random_true_size_dit
     from diffusers import AutoencoderKLFlux2, ErnieImagePipeline, FlowMatchEulerDiscreteScheduler
     from transformers import (
         Ministral3Config,
@@ -82,6 +80,8 @@ def true_size_pipeline():
         Mistral3Model,
         PixtralVisionConfig,
     )
+
+    from bench.common import random_true_size_dit
 
     text_config = Ministral3Config(**TRUE_MINISTRAL)
     pe_tokenizer = make_tokenizer(PE_CHAT_TEMPLATE)
@@ -108,21 +108,6 @@ def _link_tree(source: Path, target: Path) -> None:
     for path in source.rglob("*"):
         if path.is_file():
             _link(path, target / path.relative_to(source))
-
-
-def write_lora(transformer: torch.nn.Module, path: Path, rank: int) -> Path:
-    """A LoRA of ``rank`` on every block linear layer of ``transformer`` (PEFT keys), small random deltas."""
-    from safetensors.torch import save_file
-
-    generator, tensors = torch.Generator().manual_seed(0), {}
-    for name, module in transformer.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.startswith("layers."):
-            for key, shape in (("lora_A", (rank, module.in_features)), ("lora_B", (module.out_features, rank))):
-                tensors[f"transformer.{name}.{key}.weight"] = (0.01 * torch.randn(shape, generator=generator)).to(
-                    torch.bfloat16)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, path)
-    return path
 
 
 def write_models(models_dir: Path, true_size: bool) -> Path:

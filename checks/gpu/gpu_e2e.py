@@ -1,11 +1,11 @@
 """The GPU end-to-end check: every shareable workflow through a real ComfyUI, in every VRAM mode, on true-size models.
 
-    python bench/gpu_e2e.py                       # quick tier: default mode, every workflow (under 8 minutes)
-    python bench/gpu_e2e.py --tier full           # + --lowvram, --novram, emulated 24 GB and 16 GB cards
-    python bench/gpu_e2e.py --modes card24,fp8-unet --workflows ernie_image_low_vram
-    python bench/gpu_e2e.py --tier full --parallel 2   # two modes at once (each its own ComfyUI process)
-    python bench/gpu_e2e.py --tiny --cpu          # the same on tiny models on the CPU (CI runs two workflows so)
-    python bench/gpu_e2e.py --core fork           # on the 0.12.1 fork (.gpu-fork/src), dynamic VRAM on
+    python checks/gpu/gpu_e2e.py                           # quick tier: default mode, every workflow (under 8 minutes)
+    python checks/gpu/gpu_e2e.py --tier full               # + --lowvram, --novram, emulated 24 GB and 16 GB cards
+    python checks/gpu/gpu_e2e.py --modes card24,fp8-unet --workflows ernie_image_low_vram
+    python checks/gpu/gpu_e2e.py --tier full --parallel 2  # two modes at once (each its own ComfyUI process)
+    python checks/gpu/gpu_e2e.py --tiny --cpu              # tiny models on the CPU (CI runs three workflows so)
+    python checks/gpu/gpu_e2e.py --core fork               # on the 0.12.1 fork (.gpu-fork/src), dynamic VRAM on
 
 Writes true-size random-weight models in the real layouts once (``e2e_models.py``; about 37 GB under ``--work``),
 then runs one ComfyUI process per mode (``e2e_worker.py``), each running the API twins of ``tests/workflows/`` that
@@ -35,7 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TWINS = REPO / "tests" / "workflows"
 # Turbo first (run again after /free), the PE before the FP8 workflow: the order a user might meet them in.
 WORKFLOWS = ("ernie_image_turbo", "ernie_image_turbo_single_files", "ernie_image_pe_local", "ernie_image_low_vram",
@@ -61,8 +61,9 @@ def prepare(work: Path, true_size: bool) -> Path:
     """The models folder, written once (in a process of its own: the GPU memory goes back when it ends)."""
     models = work / "models"
     start = time.perf_counter()
-    subprocess.run([sys.executable, str(REPO / "bench" / "e2e_models.py"), str(models),
-                    *(["--true-size"] if true_size else [])], check=True)
+    # A module of the repository (it builds on scripts.tiny_models and bench.common), so run from its root.
+    subprocess.run([sys.executable, "-m", "checks.gpu.e2e_models", str(models),
+                    *(["--true-size"] if true_size else [])], check=True, cwd=REPO)
     print(f"models ready in {time.perf_counter() - start:.0f} s: {models}", flush=True)
     return models
 
@@ -94,7 +95,7 @@ def _run_worker(mode: str, args, models: Path, log, deadline: float) -> list[dic
     base = base_directory(args.work, mode, models)
     if args.core == "fork" and args.dynamic_vram == "on":
         flags = (flags + " --fast dynamic_vram").strip()  # the fork's switch for dynamic VRAM (comfy-aimdo)
-    command = [sys.executable, str(REPO / "bench" / "e2e_worker.py"), "--comfyui", str(args.comfyui),
+    command = [sys.executable, str(REPO / "checks" / "gpu" / "e2e_worker.py"), "--comfyui", str(args.comfyui),
                "--core", args.core, "--base", str(base), "--flags=" + flags + (" --cpu" if args.cpu else ""),
                "--workflows", ",".join(str(TWINS / f"{w}.json") for w in args.workflows), "--json", str(results),
                "--pe-tokens", str(args.pe_tokens)]

@@ -46,12 +46,13 @@ def load_quantized_dit(
     ``cache_root``.
     """
     spec = METHODS[method]
-    if not spec.backend:
+    if not spec.quantizes:
         return load()
     require(method, probe(device), dtype)
     if spec.backend == "torchao":
         transformer = load()
-        return quantize_torchao(transformer, spec.quant_type, quantization_device(transformer, device, free_memory))
+        on = quantization_device(transformer, device, free_memory) if spec.whole_on_gpu_if_it_fits else device
+        return quantize_torchao(transformer, spec.quant_type, on)
     return load_or_build_svdq(load, spec.quant_type, source=source, device=device, cache=SVDQCache(cache_root))
 
 
@@ -76,7 +77,7 @@ def quantize_torchao(transformer: torch.nn.Module, quant_type: str, on: torch.de
     home = next(transformer.parameters()).device
     start = time.perf_counter()
     # Outside the inference mode ComfyUI runs nodes in: torchao's weights cannot change device inside it
-    # (``nodes/managed.py`` says why).
+    # (``host/patchers.py`` says why).
     with torch.inference_mode(False):
         quantize(transformer.to(on), QuantizeConfig(quant_type=quant_type))
         transformer.to(home)

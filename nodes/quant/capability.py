@@ -25,31 +25,46 @@ FP8_MIN_ARCH = (8, 9)  # cache-dit's torchao path refuses FP8 below Ada
 
 @dataclass(frozen=True)
 class Method:
-    """One choice of the loaders' ``quantization`` input and what it needs to run."""
+    """One choice of the loaders' ``quantization`` input: what it needs to run, and what it means for the loader
+    (read there, never re-derived from the method's name)."""
 
     quant_type: str  # cache-dit's name for it ("" for none)
     backend: str  # "torchao", "svdquant", or "" for none
-    runs_on: Callable[[Arch], bool] = lambda arch: True
+    runs_on: Callable[[Arch], bool] = lambda arch: True  # the CUDA architectures it runs on (any other device: none)
     hardware: str = "an NVIDIA GPU"  # what ``runs_on`` asks for, in words
     needs_bf16: bool = False
+    # Where it quantizes: the whole DiT on the GPU in seconds where it fits there, else on the CPU (True); or one
+    # layer at a time on the GPU, each result kept on the CPU (False).
+    whole_on_gpu_if_it_fits: bool = True
+    # Whether the loader compiles the quantized DiT's blocks by default. cache-dit's W4A4 kernels under
+    # torch.compile are unverified (no GPU here runs them): those stay eager unless ErnieImageCompile asks.
+    compiles: bool = True
+    # Whether ComfyUI must load the DiT whole: core's partial loading neither moves nor casts quantized layers.
+    loads_whole: bool = True
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether the loader quantizes at all (a method starts from plain weights in the compute dtype)."""
+        return bool(self.backend)
 
 
-_SVDQ_INT4 = dict(backend="svdquant", runs_on=SVDQ_INT4_ARCHS.__contains__, needs_bf16=True,
+_SVDQ = dict(backend="svdquant", needs_bf16=True, whole_on_gpu_if_it_fits=False, compiles=False)
+_SVDQ_INT4 = dict(runs_on=SVDQ_INT4_ARCHS.__contains__, **_SVDQ,
                   hardware="the GPUs cache-dit builds SVDQuant INT4 kernels for: sm80/86/89/120/121 (A100, RTX 30, "
                   "RTX 40, RTX 50), not Hopper (sm90) nor B200-class Blackwell (sm100)")
 _FP8 = dict(backend="torchao", runs_on=lambda arch: arch >= FP8_MIN_ARCH,
             hardware="FP8 tensor cores: sm89 or newer (RTX 40, L40, H100/H200, Blackwell)")
 
 METHODS: dict[str, Method] = {
-    "none": Method("", ""),
+    "none": Method("", "", loads_whole=False),
     "fp8_per_row": Method("float8_per_row", needs_bf16=True, **_FP8),
     "fp8_weight_only": Method("float8_weight_only", **_FP8),
     "int8_weight_only": Method("int8_weight_only", "torchao"),
     "svdq_int4_r32_dq": Method("svdq_int4_r32_dq", **_SVDQ_INT4),
     "svdq_int4_r128_dq": Method("svdq_int4_r128_dq", **_SVDQ_INT4),
-    "svdq_nvfp4_r32_dq": Method("svdq_nvfp4_r32_dq", "svdquant", SVDQ_NVFP4_ARCHS.__contains__,
-                                "NVFP4 tensor cores with cache-dit's SVDQuant kernels: sm120/121 (RTX 50-class "
-                                "Blackwell)", needs_bf16=True),
+    "svdq_nvfp4_r32_dq": Method("svdq_nvfp4_r32_dq", runs_on=SVDQ_NVFP4_ARCHS.__contains__, **_SVDQ,
+                                hardware="NVFP4 tensor cores with cache-dit's SVDQuant kernels: sm120/121 (RTX "
+                                "50-class Blackwell)"),
 }
 # What to offer instead of a method that cannot run, best first.
 FALLBACKS = ("svdq_int4_r32_dq", "fp8_per_row", "int8_weight_only")
@@ -112,7 +127,7 @@ def _instead(method: str, facts: Facts, verb: str = "Use") -> str:
 def problem(method: str, facts: Facts, dtype: torch.dtype) -> str | None:
     """Why ``method`` cannot quantize a ``dtype`` DiT with these facts, and what to do; None when it can."""
     spec = METHODS[method]
-    if not spec.backend:
+    if not spec.quantizes:
         return None
     if facts.arch is None:
         return (f"Quantization '{method}' needs an NVIDIA GPU (CUDA), but ComfyUI runs this model on {facts.device}. "

@@ -1,0 +1,143 @@
+"""The DiT loaders, where the features meet: the DiT with its load-time quantization and its default compile, and
+the all-in-one snapshot loader with the text encoder, VAE and Prompt Enhancer (schemas and plumbing only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import folder_paths
+from comfy_api.v0_0_2 import io
+
+from .accel.compile import compiles_by_default
+from .accel.patching import compile_by_default
+from .choices import SNAPSHOTS, ModelList, files
+from .dit.build import load_dit
+from .dit.model import make_model_patcher
+from .dit.precision import WEIGHT_DTYPES, asked_dtypes
+from .dit.schedule import DEFAULT_SHIFT, snapshot_shift
+from .dit.vae import load_snapshot_vae
+from .host.memory import fits_whole, torch_device, usable_memory
+from .host.sizes import module_bytes
+from .pe.local import LocalPromptEnhancer
+from .quant.capability import METHODS
+from .quant.quantize import load_quantized_dit
+from .sockets import ErniePEType, ErnieTextEncoderType
+from .text.managed import ManagedTextEncoder
+from .text.nodes import text_encoder_device_input
+
+# Before the one grammar (``choices``), the all-in-one loader listed a snapshot bare, the DiT loader a file.
+SNAPSHOT_MODELS = ModelList((SNAPSHOTS,), legacy="diffusers")
+DIT_MODELS = ModelList((files("diffusion_models"), SNAPSHOTS), legacy="diffusion_models")
+
+
+def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, disable_dynamic: bool = False):
+    """The DiT at ``path`` as a MODEL, quantized at load when asked (a method that cannot run here fails first).
+
+    ``disable_dynamic``: on core's classic patcher also where the core streams models with dynamic VRAM (core's
+    compile node asks so through ``cached_patcher_init`` when it demotes a model to compile it)."""
+    method = METHODS[quantization]
+    dtype, storage = asked_dtypes(weight_dtype, quantization, method.quantizes)
+    device = torch_device()
+    dit = load_quantized_dit(
+        lambda: load_dit(path, dtype, storage, load_device=device),
+        quantization,
+        source=path,
+        dtype=dtype,
+        device=device,
+        free_memory=usable_memory,
+        cache_root=Path(folder_paths.models_dir) / "ernie_quantized",  # where SVDQuant DiTs are saved
+    )
+    # Core's mixed-precision layers under torch.compile are unverified (they have not run on a GPU): a file held in
+    # them stays eager unless ErnieImageCompile asks, as do the methods that say so.
+    compiles = compiles_by_default(device) and method.compiles and not getattr(dit, "quant_formats", None)
+    # Compiled blocks need their weights on the GPU: where the whole DiT fits there, core's classic patcher keeps
+    # it so (as core's compile node demotes a dynamic model); elsewhere core's own choice streams it.
+    resident = disable_dynamic or (compiles and fits_whole(module_bytes(dit), device))
+    patcher = make_model_patcher(dit, shift, whole=method.loads_whole, resident=resident)
+    patcher.cached_patcher_init = (_load_model, (path, weight_dtype, quantization, shift))
+    return compile_by_default(patcher) if compiles else patcher
+
+
+def _weight_inputs() -> list:
+    return [
+        io.Combo.Input("weight_dtype", options=list(WEIGHT_DTYPES), default="default",
+                       tooltip="default: bf16 on GPUs that run it well, fp32 on the CPU; an fp8 file stays fp8. "
+                       "fp8_*: the blocks' weights stored in fp8 (half of bf16's memory), cast to bf16 as each "
+                       "layer runs."),
+        io.Combo.Input("quantization", options=list(METHODS), default="none",
+                       tooltip="Quantize the DiT's block linear layers at load time. fp8_per_row: RTX 40, H100/H200, "
+                       "Blackwell (needs torchao; weights 16 → 8 GB). int8_weight_only: any NVIDIA GPU (needs "
+                       "torchao). svdq_*: SVDQuant W4A4 on A100, RTX 30/40/50 with the cache-dit-cu13 build; "
+                       "minutes the first time, then reloaded from models/ernie_quantized. See the README."),
+    ]
+
+
+class ErnieImageLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ErnieImageLoader",
+            display_name="ERNIE-Image Loader (snapshot)",
+            category="ERNIE-Image/loaders",
+            description="Loads a Hugging Face ERNIE-Image snapshot from models/diffusers: DiT, text encoder, VAE "
+            "and, when the snapshot has one, the Prompt Enhancer. Samples like diffusers (shift 4.0, text mask).",
+            inputs=[
+                SNAPSHOT_MODELS.input("model_name", tooltip="A snapshot folder under models/diffusers "
+                                      "(baidu/ERNIE-Image(-Turbo)), listed as diffusers/<folder>."),
+                *_weight_inputs(),
+                text_encoder_device_input("text_encoder_device"),
+            ],
+            outputs=[
+                io.Model.Output(),
+                ErnieTextEncoderType.Output(display_name="TEXT_ENCODER"),
+                io.Vae.Output(),
+                ErniePEType.Output(display_name="PE"),
+            ],
+        )
+
+    @classmethod
+    def validate_inputs(cls, model_name: str) -> bool | str:
+        return SNAPSHOT_MODELS.check(model_name)
+
+    @classmethod
+    def execute(cls, model_name: str, weight_dtype: str = "default", quantization: str = "none",
+                text_encoder_device: str = "default") -> io.NodeOutput:
+        snapshot = SNAPSHOT_MODELS.resolve(model_name).path
+        model = _load_model(snapshot, weight_dtype, quantization, snapshot_shift(snapshot))
+        return io.NodeOutput(
+            model,
+            ManagedTextEncoder.from_snapshot(snapshot, text_encoder_device),
+            load_snapshot_vae(snapshot),
+            LocalPromptEnhancer.from_snapshot(snapshot),
+        )
+
+
+class ErnieImageDiTLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="ErnieImageDiTLoader",
+            display_name="ERNIE-Image DiT Loader",
+            category="ERNIE-Image/loaders",
+            description="Loads the ERNIE-Image diffusion transformer from models/diffusion_models (the ComfyUI "
+            "repack) or from a snapshot folder's transformer/ (listed as diffusers/<name>).",
+            inputs=[
+                DIT_MODELS.input("model_name", tooltip="diffusion_models/ernie-image(-turbo).safetensors, or "
+                                 "diffusers/<snapshot folder>."),
+                *_weight_inputs(),
+            ],
+            outputs=[io.Model.Output()],
+        )
+
+    @classmethod
+    def validate_inputs(cls, model_name: str) -> bool | str:
+        return DIT_MODELS.check(model_name)
+
+    @classmethod
+    def execute(cls, model_name: str, weight_dtype: str = "default", quantization: str = "none") -> io.NodeOutput:
+        model = DIT_MODELS.resolve(model_name)
+        shift = snapshot_shift(model.path) if model.folder == SNAPSHOTS.folder else DEFAULT_SHIFT
+        return io.NodeOutput(_load_model(model.path, weight_dtype, quantization, shift))
+
+
+LOADER_NODES = [ErnieImageLoader, ErnieImageDiTLoader]
