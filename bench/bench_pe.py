@@ -68,7 +68,7 @@ def random_true_size_pe(dtype: torch.dtype = torch.bfloat16, device: str = "cuda
 
 
 def runners(model, decode, protocol) -> dict:
-    from comfyui_ernie_image.nodes.pe.fused import FusedGatedMLP, fuse_mlp_projections
+    from comfyui_ernie_image.nodes.pe.local.fused import FusedGatedMLP, fuse_mlp_projections
 
     """``variant -> make()``; ``make()`` gives ``run(input_ids, attention_mask, new_tokens)``, forcing exactly
     ``new_tokens``. Made when the variant's turn comes, so a pack variant's KV caches go with it."""
@@ -290,7 +290,8 @@ def main() -> None:
     use_comfyui()  # imports the pack as comfyui_ernie_image (the PE engine itself needs no ComfyUI)
     import transformers
 
-    from comfyui_ernie_image.nodes.pe import decode, protocol
+    from comfyui_ernie_image.nodes.pe import protocol
+    from comfyui_ernie_image.nodes.pe.local import decode
 
     started = time.time()
     model = random_true_size_pe(device=args.device)

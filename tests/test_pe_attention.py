@@ -1,7 +1,7 @@
-"""The PE fast path's grouped decode attention (``nodes/pe/attention.py``) against transformers' ``sdpa``, on a tiny
-Ministral 3 with grouped-query attention (4 query heads share 2 KV heads, as the PE's 32 share 8): the same logits for
-a left-padded batch on a static cache, in float32 and bfloat16; the same tokens from the fast path, eager or compiled;
-and the model's own attention left as it was for plain ``generate``."""
+"""The PE fast path's grouped decode attention (``nodes/pe/local/attention.py``) against transformers' ``sdpa``, on a
+tiny Ministral 3 with grouped-query attention (4 query heads share 2 KV heads, as the PE's 32 share 8): the same logits
+for a left-padded batch on a static cache, in float32 and bfloat16; the same tokens from the fast path, eager or
+compiled; and the model's own attention left as it was for plain ``generate``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import Ministral3Config, Ministral3ForCausalLM, StaticCache
 
-from comfyui_ernie_image.nodes.pe import attention, decode
+from comfyui_ernie_image.nodes.pe.local import attention, decode
 from comfyui_ernie_image.nodes.pe.protocol import SamplingParams
 
 LAYERS, CACHE_SLOTS, DECODE_STEPS = 2, 32, 8

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from comfyui_ernie_image.nodes.pe import cache as cache_module
-from comfyui_ernie_image.nodes.pe import local as local_module
 from comfyui_ernie_image.nodes.pe.cache import ResultCache, cache_key, enhance_cached
-from comfyui_ernie_image.nodes.pe.local import DECODE_MODES, LocalPromptEnhancer
+from comfyui_ernie_image.nodes.pe.local import enhancer as local_module
+from comfyui_ernie_image.nodes.pe.local.enhancer import DECODE_MODES, LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.protocol import Completion, EnhancerError, PromptSpec, SamplingParams
 from comfyui_ernie_image.nodes.pe.runtime import Runtime
 

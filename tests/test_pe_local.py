@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.host.patchers import ManagedModule, WholeModelPatcher
 from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
-from comfyui_ernie_image.nodes.pe.decode import StaticDecoder
-from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
+from comfyui_ernie_image.nodes.pe.local.decode import StaticDecoder
+from comfyui_ernie_image.nodes.pe.local.enhancer import LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, SamplingParams
 from comfyui_ernie_image.nodes.pe.runtime import Runtime
 from helpers.files import snapshot_with_truncated_file
@@ -298,7 +298,7 @@ def test_fault_injected_failure_of_the_fast_decoder_alone_falls_back_to_generate
 def test_cuda_graphs_are_not_used_under_comfyuis_cudamallocasync_allocator(monkeypatch):
     """The compiled decode step's CUDA graphs fail at the first step under cudaMallocAsync (ComfyUI's default
     allocator; seen on the H200), which then dropped fast decoding for plain generate."""
-    from comfyui_ernie_image.nodes.pe.decode import cuda_graphs_allowed
+    from comfyui_ernie_image.nodes.pe.local.decode import cuda_graphs_allowed
 
     monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
     assert not cuda_graphs_allowed(torch.device("cuda", 0)) and cuda_graphs_allowed(torch.device("cpu"))

@@ -13,10 +13,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from comfyui_ernie_image.nodes.pe.batching import CPU_ROWS, MEMORY_SHARE, row_bytes
 from comfyui_ernie_image.nodes.pe.cache import ResultCache, enhance_cached
 from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
-from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
+from comfyui_ernie_image.nodes.pe.local.batching import CPU_ROWS, MEMORY_SHARE, row_bytes
+from comfyui_ernie_image.nodes.pe.local.enhancer import LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.protocol import GenerationStopped, PromptSpec, SamplingParams
 from comfyui_ernie_image.nodes.pe.runtime import Runtime
 

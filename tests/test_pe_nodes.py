@@ -14,7 +14,7 @@ import websocket
 from PIL import Image
 
 from comfy_headless import free_port
-from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
+from comfyui_ernie_image.nodes.pe.local.enhancer import LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.locate import pe_choices
 from comfyui_ernie_image.nodes.pe.nodes import (
     ErnieImagePELoader,
@@ -23,7 +23,7 @@ from comfyui_ernie_image.nodes.pe.nodes import (
     result_cache,
 )
 from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, SamplingParams
-from comfyui_ernie_image.nodes.pe.remote import RemotePromptEnhancer
+from comfyui_ernie_image.nodes.pe.remote.enhancer import RemotePromptEnhancer
 from comfyui_ernie_image.nodes.pe.runtime import Runtime
 from helpers.pe_servers import FaultServer, RecordingProxy, chat_reply
 

@@ -25,7 +25,7 @@ from ..paths import (
     snapshot_names,
     snapshot_path,
 )
-from ..pe.local import LocalPromptEnhancer
+from ..pe.local.enhancer import LocalPromptEnhancer
 from ..pe.nodes import ErniePEType
 from ..text.managed import ManagedTextEncoder
 from ..text.nodes import ErnieTextEncoderType, text_encoder_device_input

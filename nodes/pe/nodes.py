@@ -13,7 +13,7 @@ from comfy_api.v0_0_2 import io, ui
 from ..host.memory import device_options
 from ..paths import check_choice
 from .cache import CACHE_MODES, ResultCache, enhance_cached
-from .local import DTYPES, LocalPromptEnhancer
+from .local.enhancer import DTYPES, LocalPromptEnhancer
 from .locate import pe_choices, pe_path
 from .protocol import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -23,7 +23,7 @@ from .protocol import (
     PromptSpec,
     SamplingParams,
 )
-from .remote import RemotePromptEnhancer
+from .remote.enhancer import RemotePromptEnhancer
 from .runtime import default_runtime
 
 ErniePEType = io.Custom("ERNIE_PE")

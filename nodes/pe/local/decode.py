@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 from transformers import GenerationConfig, LogitsProcessor, StaticCache, StoppingCriteria, StoppingCriteriaList
 
+from ..protocol import GenerationStopped, SamplingParams
 from . import attention as grouped_attention
-from .protocol import GenerationStopped, SamplingParams
 
 _SYNC_EVERY = 16  # decode steps between looks at the GPU (EOS, progress)
 # The shape buckets the compiled step's recompile limit covers: batches of up to 64 prompts, prompt and answer up to

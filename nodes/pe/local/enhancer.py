@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from ..host.sizes import CacheSized
-from ..model_files import builds_weights, read_json
+from ...host.sizes import CacheSized
+from ...model_files import builds_weights, read_json
+from ..protocol import Completion, GenerationStopped, PromptSpec, ResultCallback, SamplingParams
+from ..runtime import Runtime, default_runtime
 from .batching import MAX_ROWS, PromptProgress, batch_rows, next_batch, row_bytes
 from .decode import StaticDecoder, generate_plain, kv_cache_bytes
 from .fused import fuse_mlp_projections
-from .protocol import Completion, GenerationStopped, PromptSpec, ResultCallback, SamplingParams
-from .runtime import Runtime, default_runtime
 from .weights import BAIDU_CHAT_TEMPLATE, PESource, path_source, snapshot_source
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
