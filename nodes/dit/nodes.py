@@ -25,8 +25,7 @@ from ..paths import (
     snapshot_names,
     snapshot_path,
 )
-from ..pe.local.enhancer import LocalPromptEnhancer
-from ..pe.nodes import ErniePEType
+from ..pe.nodes import ErniePEType, snapshot_pe
 from ..text.managed import ManagedTextEncoder
 from ..text.nodes import ErnieTextEncoderType, text_encoder_device_input
 from .build import load_dit
@@ -152,7 +151,7 @@ class ErnieImageLoader(io.ComfyNode):
             model,
             ManagedTextEncoder.from_snapshot(snapshot, text_encoder_device),
             load_snapshot_vae(snapshot),
-            LocalPromptEnhancer.from_snapshot(snapshot),
+            snapshot_pe(snapshot),
         )
 
 

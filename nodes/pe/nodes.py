@@ -1,4 +1,7 @@
-"""Prompt Enhancer nodes: a local PE loader, a remote PE, and the enhance node (schemas and plumbing only)."""
+"""Prompt Enhancer nodes: a local PE loader, a remote PE, and the enhance node (schemas and plumbing only).
+
+Every handle made here runs on ComfyUI's host (``ComfyRuntime``): its model management, interrupt and progress bar.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from comfy_api.v0_0_2 import io, ui
 from ..host.memory import device_options
 from ..paths import check_choice
 from .cache import CACHE_MODES, ResultCache, enhance_cached
+from .comfy_runtime import ComfyRuntime
 from .local.enhancer import DTYPES, LocalPromptEnhancer
 from .locate import pe_choices, pe_path
 from .protocol import (
@@ -24,7 +28,6 @@ from .protocol import (
     SamplingParams,
 )
 from .remote.enhancer import RemotePromptEnhancer
-from .runtime import default_runtime
 
 ErniePEType = io.Custom("ERNIE_PE")
 
@@ -56,7 +59,8 @@ class ErnieImagePELoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, model_name: str, device: str = "default", dtype: str = "auto") -> io.NodeOutput:
-        return io.NodeOutput(LocalPromptEnhancer.from_path(pe_path(model_name), device=device, dtype=dtype))
+        return io.NodeOutput(LocalPromptEnhancer.from_path(pe_path(model_name), device=device, dtype=dtype,
+                                                          runtime=ComfyRuntime()))
 
 
 class ErnieImagePERemote(io.ComfyNode):
@@ -91,7 +95,12 @@ class ErnieImagePERemote(io.ComfyNode):
     def execute(cls, base_url: str, model: str = "", api_key_env: str = "", timeout_s: float = 120.0,
                 max_retries: int = 3) -> io.NodeOutput:
         return io.NodeOutput(RemotePromptEnhancer(base_url, model, api_key_env, timeout_s, max_retries,
-                                                  runtime=default_runtime()))
+                                                  runtime=ComfyRuntime()))
+
+
+def snapshot_pe(snapshot: Path) -> LocalPromptEnhancer | None:
+    """The PE of a snapshot folder on ComfyUI's host, lazy (the all-in-one loader's); None when it has no ``pe/``."""
+    return LocalPromptEnhancer.from_snapshot(snapshot, runtime=ComfyRuntime())
 
 
 @functools.cache

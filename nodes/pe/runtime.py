@@ -1,6 +1,7 @@
-"""The host an engine runs in: devices, weight placement, stop requests, progress.
+"""The host a PE engine runs in: devices, weight placement, stop requests, progress.
 
-``Runtime`` is plain torch (scripts, tests without ComfyUI); ``comfy_runtime.ComfyRuntime`` is ComfyUI's.
+``Runtime`` is plain torch, the engines' default (scripts, tests without ComfyUI); ComfyUI's host
+(``comfy_runtime.ComfyRuntime``) is built by the nodes and handed to the engines, which never look for it.
 """
 
 from __future__ import annotations
@@ -46,11 +47,3 @@ class Runtime:
     def progress(self, total: int) -> Callable[[int], None]:
         return lambda done: None
 
-
-def default_runtime() -> Runtime:
-    """ComfyUI's runtime inside ComfyUI, plain torch elsewhere."""
-    try:
-        from .comfy_runtime import ComfyRuntime
-    except ImportError:
-        return Runtime()
-    return ComfyRuntime()

@@ -2,7 +2,7 @@
 
 On CUDA with a working compiler, decoding takes the static-cache fast path (``decode.StaticDecoder``); elsewhere
 plain ``generate``. Where the weights live and how generation stops are the host's business (``Runtime``): plain
-torch here, ComfyUI's model management and interrupt in ``comfy_runtime`` when running inside ComfyUI.
+torch by default, ComfyUI's model management and interrupt (``comfy_runtime``) where the nodes pass it in.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from ...host.sizes import CacheSized
 from ...model_files import builds_weights, read_json
 from ..protocol import Completion, GenerationStopped, PromptSpec, ResultCallback, SamplingParams
-from ..runtime import Runtime, default_runtime
+from ..runtime import Runtime
 from .batching import MAX_ROWS, PromptProgress, batch_rows, next_batch, row_bytes
 from .decode import StaticDecoder, generate_plain, kv_cache_bytes
 from .fused import fuse_mlp_projections
@@ -40,7 +40,8 @@ class LocalPromptEnhancer(CacheSized):
     """A lazy handle on local PE weights: nothing is read before the first ``enhance``.
 
     ``device``: ``"default"`` or a torch device name; ``dtype``: ``"auto"`` or a key of ``DTYPES``; ``decode``: one of
-    ``DECODE_MODES`` (``"auto"``: the compiled static-cache path on CUDA, plain ``generate`` elsewhere).
+    ``DECODE_MODES`` (``"auto"``: the compiled static-cache path on CUDA, plain ``generate`` elsewhere); ``runtime``:
+    the host (plain torch when None).
     """
 
     def __init__(
@@ -56,7 +57,7 @@ class LocalPromptEnhancer(CacheSized):
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
         self.source, self.device_name, self.dtype_name, self.decode = source, device, dtype, decode
-        self.runtime = runtime or default_runtime()
+        self.runtime = runtime or Runtime()
         self._model = self._tokenizer = self._decoder = self._load = None
 
     @classmethod
