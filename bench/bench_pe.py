@@ -83,7 +83,8 @@ def runners(model, decode, protocol) -> dict:
 
         def run(ids, mask, n):
             params = protocol.SamplingParams(TEMPERATURE, TOP_P, n, seed=0)
-            return fast.generate(ids, mask, params, [2], 11, lambda: False, lambda done: None, ignore_eos=True)
+            request = decode.DecodeRequest(ids, mask, params, [2], 11, lambda: False, lambda done: None)
+            return fast.generate(request, ignore_eos=True)
 
         return run
 
@@ -131,7 +132,8 @@ def agreement(model, decode, protocol, prompt_tokens: int, device: str, new_toke
     with torch.inference_mode():
         outputs = {
             compiled: decode.StaticDecoder(model, compiled=compiled).generate(
-                ids, mask, params, [2], 11, lambda: False, lambda done: None, ignore_eos=True)[0]
+                decode.DecodeRequest(ids, mask, params, [2], 11, lambda: False, lambda done: None),
+                ignore_eos=True)[0]
             for compiled in (False, True)
         }
         plain = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
@@ -164,8 +166,8 @@ def profile_decode(model, decode, protocol, prompt_tokens: int, device: str, new
     def run(decode_steps: int) -> None:
         checks = iter(range(decode_steps))  # should_stop is asked before each decode step: stop after decode_steps
         try:
-            fast.generate(ids, mask, params, [2], 11, lambda: next(checks, None) is None, lambda done: None,
-                          ignore_eos=True)
+            fast.generate(decode.DecodeRequest(ids, mask, params, [2], 11, lambda: next(checks, None) is None,
+                                               lambda done: None), ignore_eos=True)
         except protocol.GenerationStopped:
             pass
 

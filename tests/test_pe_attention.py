@@ -137,7 +137,7 @@ def test_grouped_attention_reads_each_kv_head_for_its_own_query_heads():
 def fast_path_tokens(model, params: SamplingParams, **options) -> torch.Tensor:
     input_ids, mask = padded_batch()
     return decode.StaticDecoder(model, **options).generate(
-        input_ids, mask, params, [2], 0, lambda: False, lambda done: None, ignore_eos=True)
+        decode.DecodeRequest(input_ids, mask, params, [2], 0, lambda: False, lambda done: None), ignore_eos=True)
 
 
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=20, seed=4)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.host.patchers import ManagedModule, WholeModelPatcher
 from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
-from comfyui_ernie_image.nodes.pe.local.decode import StaticDecoder
+from comfyui_ernie_image.nodes.pe.local.decode import PlainDecoder, StaticDecoder
 from comfyui_ernie_image.nodes.pe.local.enhancer import LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, SamplingParams
 from comfyui_ernie_image.nodes.pe.runtime import Runtime
@@ -147,7 +147,7 @@ def test_an_interrupt_raised_by_comfyui_progress_hook_keeps_the_fast_path(tiny_m
     finally:
         comfy.utils.set_progress_bar_global_hook(None)
         mm.interrupt_current_processing(False)
-    assert pe._decoder is not None and not caplog.records
+    assert isinstance(pe._decoder, StaticDecoder) and not caplog.records
 
 
 def test_fault_injected_out_of_memory_is_raised_and_keeps_the_fast_path(tiny_models):
@@ -289,7 +289,7 @@ def test_fault_injected_failure_of_the_fast_decoder_alone_falls_back_to_generate
     pe._decoder.generate = compiler_failure
     with caplog.at_level(logging.WARNING):
         assert texts(pe, PROMPTS[:1], GREEDY) == first
-    assert pe._decoder is None
+    assert isinstance(pe._decoder, PlainDecoder)
     assert [r.getMessage() for r in caplog.records] == [
         "ERNIE-Image PE: fast decoding failed (inductor: failed to compile the decode step) where plain generate "
         "works; using plain generate from now on"]

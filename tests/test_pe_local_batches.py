@@ -90,11 +90,11 @@ def record_batches(pe: LocalPromptEnhancer, fail=None) -> list[int]:
     """The size of each batch generated; ``fail(size, call)`` may raise instead."""
     sizes, generate = [], pe._generate
 
-    def recorded(input_ids, attention_mask, params):
+    def recorded(request):
         if fail is not None:
-            fail(input_ids.shape[0], len(sizes))
-        sizes.append(input_ids.shape[0])
-        return generate(input_ids, attention_mask, params)
+            fail(request.input_ids.shape[0], len(sizes))
+        sizes.append(request.input_ids.shape[0])
+        return generate(request)
 
     pe._generate = recorded
     return sizes
