@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from comfyui_ernie_image.nodes.errors import ErnieImageError
+from comfyui_ernie_image.nodes.host.memory import text_model_dtype
 from comfyui_ernie_image.nodes.host.patchers import ManagedModule, WholeModelPatcher
 from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
 from comfyui_ernie_image.nodes.pe.local.decode import PlainDecoder, StaticDecoder
@@ -304,3 +305,17 @@ def test_cuda_graphs_are_not_used_under_comfyuis_cudamallocasync_allocator(monke
     assert not cuda_graphs_allowed(torch.device("cuda", 0)) and cuda_graphs_allowed(torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
     assert cuda_graphs_allowed(torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_auto_takes_the_text_encoders_dtype_on_every_gpu(tiny_models, monkeypatch, bf16):
+    """One rule for both Ministral models (``host.memory.text_model_dtype``): bf16 where ComfyUI computes in it,
+    float32 on GPUs before Ampere (where the PE once took fp16 and the text encoder float32), from ComfyUI's host and
+    from plain torch alike. No weights are read: the dtype is settled from the device alone."""
+    gpu = torch.device("cuda:0")
+    monkeypatch.setattr(mm, "should_use_bf16", lambda device=None, *args, **kwargs: bf16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0) if bf16 else (7, 5))
+    expected = torch.bfloat16 if bf16 else torch.float32
+    assert text_model_dtype(gpu) == expected
+    for runtime in (ComfyRuntime(), Runtime()):
+        assert LocalPromptEnhancer.from_snapshot(tiny_models["snapshot"], runtime=runtime)._dtype(gpu) == expected

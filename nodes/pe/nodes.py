@@ -48,7 +48,8 @@ class ErnieImagePELoader(io.ComfyNode):
                 io.Combo.Input("device", options=device_options(), default="default",
                                tooltip="default: ComfyUI's GPU. Another GPU keeps the PE beside the DiT."),
                 io.Combo.Input("dtype", options=["auto", *DTYPES], default="auto",
-                               tooltip="auto: bf16 on GPUs that support it (fp16 otherwise), float32 on the CPU."),
+                               tooltip="auto: as ComfyUI's text encoders: bf16 on GPUs that compute in it (NVIDIA from "
+                               "Ampere on), float32 elsewhere (the CPU, older GPUs)."),
             ],
             outputs=[ErniePEType.Output(display_name="PE")],
         )

@@ -24,6 +24,14 @@ class Runtime:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(name)
 
+    def dtype(self, device: torch.device) -> torch.dtype:
+        """The PE's dtype on ``device`` when the loader says ``auto``: the rule of ComfyUI's host
+        (``host.memory.text_model_dtype``) as torch alone can tell it, bf16 on GPUs with bf16 math (sm80+), float32
+        elsewhere."""
+        if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
+            return torch.bfloat16
+        return torch.float32
+
     def manage(
         self, model: torch.nn.Module, device: torch.device, on_unload: Callable[[], None]
     ) -> Callable[[int], None]:

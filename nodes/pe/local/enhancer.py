@@ -40,9 +40,9 @@ def _compiler_available() -> bool:
 class LocalPromptEnhancer(CacheSized):
     """A lazy handle on local PE weights: nothing is read before the first ``enhance``.
 
-    ``device``: ``"default"`` or a torch device name; ``dtype``: ``"auto"`` or a key of ``DTYPES``; ``decode``: one of
-    ``DECODE_MODES`` (``"auto"``: the compiled static-cache path on CUDA, plain ``generate`` elsewhere); ``runtime``:
-    the host (plain torch when None).
+    ``device``: ``"default"`` or a torch device name; ``dtype``: ``"auto"`` (the host's choice, ``Runtime.dtype``) or
+    a key of ``DTYPES``; ``decode``: one of ``DECODE_MODES`` (``"auto"``: the compiled static-cache path on CUDA, plain
+    ``generate`` elsewhere); ``runtime``: the host (plain torch when None).
     """
 
     def __init__(
@@ -83,7 +83,7 @@ class LocalPromptEnhancer(CacheSized):
                 f"|device={_device_label(device)}|decode={self._decode_path(device)}")
 
     def _dtype(self, device: torch.device) -> torch.dtype:
-        return DTYPES.get(self.dtype_name) or _auto_dtype(device)
+        return DTYPES.get(self.dtype_name) or self.runtime.dtype(device)
 
     def _decode_path(self, device: torch.device) -> str:
         """The decode path: once loaded, the one in use (a failed fast path falls back to generate for good)."""
@@ -265,8 +265,3 @@ def _template_digest(source: PESource) -> str:
         texts.append(BAIDU_CHAT_TEMPLATE.read_text(encoding="utf-8"))
     return hashlib.sha256("\0".join(texts).encode()).hexdigest()[:16]
 
-def _auto_dtype(device: torch.device) -> torch.dtype:
-    """bf16 (the released weights' dtype) on GPUs with bf16 math (sm80+), fp16 on older ones, fp32 on the CPU."""
-    if device.type != "cuda":
-        return torch.float32
-    return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
