@@ -9,10 +9,11 @@ shape (batch x new tokens, ``min_new_tokens`` / ``ignore_eos`` force the length)
 - ``pack-sdpa``: the pack's fast path, ``StaticDecoder(compiled=True, attention="sdpa")``: static KV cache, one
   compiled decode step with CUDA graphs, top-p sampling on the GPU; attention is transformers' ``sdpa``, which under
   compilation repeats K/V from 8 to 32 heads;
-- ``pack-unfused``: the same with the pack's grouped decode attention (``nodes/pe/attention.py``, the default): K/V
-  read in place;
-- ``pack``: what the pack runs: the same after ``nodes/pe/fused.py`` stacks each layer's gate and up projections
-  into one matrix. It fuses the model in place, so the variants above run first (the order of ``--variants``).
+- ``pack-unfused``: the same with the pack's grouped decode attention (``nodes/pe/local/attention.py``, the
+  default): K/V read in place;
+- ``pack``: what the pack runs: the same after ``nodes/pe/local/fused.py`` stacks each layer's gate and up
+  projections into one matrix. It fuses the model in place, so the variants above run first (the order of
+  ``--variants``).
 All pack variants use the same cache buckets.
 
 Reports decode tokens/s, time to first token, compile (warm-up minus timed run) and peak memory as a markdown table,
