@@ -18,7 +18,7 @@ from .dit.vae import load_snapshot_vae
 from .host.memory import fits_whole, torch_device, usable_memory
 from .host.sizes import module_bytes
 from .paths import SNAPSHOT_PREFIX, check_choice, model_file_path, safetensors_names, snapshot_names, snapshot_path
-from .pe.local import LocalPromptEnhancer
+from .pe.nodes import snapshot_pe
 from .quant.capability import METHODS
 from .quant.quantize import load_quantized_dit
 from .sockets import ErniePEType, ErnieTextEncoderType
@@ -104,7 +104,7 @@ class ErnieImageLoader(io.ComfyNode):
             model,
             ManagedTextEncoder.from_snapshot(snapshot, text_encoder_device),
             load_snapshot_vae(snapshot),
-            LocalPromptEnhancer.from_snapshot(snapshot),
+            snapshot_pe(snapshot),
         )
 
 
