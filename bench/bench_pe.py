@@ -9,10 +9,11 @@ shape (batch x new tokens, ``min_new_tokens`` / ``ignore_eos`` force the length)
 - ``pack-sdpa``: the pack's fast path, ``StaticDecoder(compiled=True, attention="sdpa")``: static KV cache, one
   compiled decode step with CUDA graphs, top-p sampling on the GPU; attention is transformers' ``sdpa``, which under
   compilation repeats K/V from 8 to 32 heads;
-- ``pack-unfused``: the same with the pack's grouped decode attention (``nodes/pe/attention.py``, the default): K/V
-  read in place;
-- ``pack``: what the pack runs: the same after ``nodes/pe/fused.py`` stacks each layer's gate and up projections
-  into one matrix. It fuses the model in place, so the variants above run first (the order of ``--variants``).
+- ``pack-unfused``: the same with the pack's grouped decode attention (``nodes/pe/local/attention.py``, the
+  default): K/V read in place;
+- ``pack``: what the pack runs: the same after ``nodes/pe/local/fused.py`` stacks each layer's gate and up
+  projections into one matrix. It fuses the model in place, so the variants above run first (the order of
+  ``--variants``).
 All pack variants use the same cache buckets.
 
 Reports decode tokens/s, time to first token, compile (warm-up minus timed run) and peak memory as a markdown table,
@@ -68,7 +69,7 @@ def random_true_size_pe(dtype: torch.dtype = torch.bfloat16, device: str = "cuda
 
 
 def runners(model, decode, protocol) -> dict:
-    from comfyui_ernie_image.nodes.pe.fused import FusedGatedMLP, fuse_mlp_projections
+    from comfyui_ernie_image.nodes.pe.local.fused import FusedGatedMLP, fuse_mlp_projections
 
     """``variant -> make()``; ``make()`` gives ``run(input_ids, attention_mask, new_tokens)``, forcing exactly
     ``new_tokens``. Made when the variant's turn comes, so a pack variant's KV caches go with it."""
@@ -83,7 +84,8 @@ def runners(model, decode, protocol) -> dict:
 
         def run(ids, mask, n):
             params = protocol.SamplingParams(TEMPERATURE, TOP_P, n, seed=0)
-            return fast.generate(ids, mask, params, [2], 11, lambda: False, lambda done: None, ignore_eos=True)
+            request = decode.DecodeRequest(ids, mask, params, [2], 11, lambda: False, lambda done: None)
+            return fast.generate(request, ignore_eos=True)
 
         return run
 
@@ -131,7 +133,8 @@ def agreement(model, decode, protocol, prompt_tokens: int, device: str, new_toke
     with torch.inference_mode():
         outputs = {
             compiled: decode.StaticDecoder(model, compiled=compiled).generate(
-                ids, mask, params, [2], 11, lambda: False, lambda done: None, ignore_eos=True)[0]
+                decode.DecodeRequest(ids, mask, params, [2], 11, lambda: False, lambda done: None),
+                ignore_eos=True)[0]
             for compiled in (False, True)
         }
         plain = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
@@ -164,8 +167,8 @@ def profile_decode(model, decode, protocol, prompt_tokens: int, device: str, new
     def run(decode_steps: int) -> None:
         checks = iter(range(decode_steps))  # should_stop is asked before each decode step: stop after decode_steps
         try:
-            fast.generate(ids, mask, params, [2], 11, lambda: next(checks, None) is None, lambda done: None,
-                          ignore_eos=True)
+            fast.generate(decode.DecodeRequest(ids, mask, params, [2], 11, lambda: next(checks, None) is None,
+                                               lambda done: None), ignore_eos=True)
         except protocol.GenerationStopped:
             pass
 
@@ -290,7 +293,8 @@ def main() -> None:
     use_comfyui()  # imports the pack as comfyui_ernie_image (the PE engine itself needs no ComfyUI)
     import transformers
 
-    from comfyui_ernie_image.nodes.pe import decode, protocol
+    from comfyui_ernie_image.nodes.pe import protocol
+    from comfyui_ernie_image.nodes.pe.local import decode
 
     started = time.time()
     model = random_true_size_pe(device=args.device)

@@ -18,7 +18,7 @@ from .dit.schedule import DEFAULT_SHIFT, snapshot_shift
 from .dit.vae import load_snapshot_vae
 from .host.memory import fits_whole, torch_device, usable_memory
 from .host.sizes import module_bytes
-from .pe.local import LocalPromptEnhancer
+from .pe.nodes import snapshot_pe
 from .quant.capability import METHODS
 from .quant.quantize import load_quantized_dit
 from .sockets import ErniePEType, ErnieTextEncoderType
@@ -108,7 +108,7 @@ class ErnieImageLoader(io.ComfyNode):
             model,
             ManagedTextEncoder.from_snapshot(snapshot, text_encoder_device),
             load_snapshot_vae(snapshot),
-            LocalPromptEnhancer.from_snapshot(snapshot),
+            snapshot_pe(snapshot),
         )
 
 

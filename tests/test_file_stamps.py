@@ -7,7 +7,7 @@ import hashlib
 import json
 
 from comfyui_ernie_image.nodes.model_files import file_stamps
-from comfyui_ernie_image.nodes.pe.weights import PESource
+from comfyui_ernie_image.nodes.pe.local.weights import PESource
 from comfyui_ernie_image.nodes.quant.svdq_cache import source_identity, weight_files
 
 

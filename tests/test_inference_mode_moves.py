@@ -20,7 +20,7 @@ from comfyui_ernie_image.nodes.dit.vae import load_vae
 from comfyui_ernie_image.nodes.loaders import ErnieImageDiTLoader, ErnieImageLoader, _load_model
 from comfyui_ernie_image.nodes.model_files import read_safetensors
 from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
-from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
+from comfyui_ernie_image.nodes.pe.local.enhancer import LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.protocol import PromptSpec, SamplingParams
 from comfyui_ernie_image.nodes.text.nodes import ErnieImageTextEncoderLoader
 from helpers.accel import sample, text

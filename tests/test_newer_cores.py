@@ -206,7 +206,7 @@ def test_the_executors_ram_cache_sizes_the_pe_and_the_text_encoder_by_their_weig
     from comfy_execution.caching import CacheKeySetInputSignature, RAMPressureCache
 
     from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
-    from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
+    from comfyui_ernie_image.nodes.pe.local.enhancer import LocalPromptEnhancer
     from comfyui_ernie_image.nodes.pe.protocol import PromptSpec, SamplingParams
     from comfyui_ernie_image.nodes.text.nodes import ErnieImageTextEncoderLoader
 

@@ -1,7 +1,7 @@
-"""The PE fast path's grouped decode attention (``nodes/pe/attention.py``) against transformers' ``sdpa``, on a tiny
-Ministral 3 with grouped-query attention (4 query heads share 2 KV heads, as the PE's 32 share 8): the same logits for
-a left-padded batch on a static cache, in float32 and bfloat16; the same tokens from the fast path, eager or compiled;
-and the model's own attention left as it was for plain ``generate``."""
+"""The PE fast path's grouped decode attention (``nodes/pe/local/attention.py``) against transformers' ``sdpa``, on a
+tiny Ministral 3 with grouped-query attention (4 query heads share 2 KV heads, as the PE's 32 share 8): the same logits
+for a left-padded batch on a static cache, in float32 and bfloat16; the same tokens from the fast path, eager or
+compiled; and the model's own attention left as it was for plain ``generate``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import Ministral3Config, Ministral3ForCausalLM, StaticCache
 
-from comfyui_ernie_image.nodes.pe import attention, decode
+from comfyui_ernie_image.nodes.pe.local import attention, decode
 from comfyui_ernie_image.nodes.pe.protocol import SamplingParams
 
 LAYERS, CACHE_SLOTS, DECODE_STEPS = 2, 32, 8
@@ -137,7 +137,7 @@ def test_grouped_attention_reads_each_kv_head_for_its_own_query_heads():
 def fast_path_tokens(model, params: SamplingParams, **options) -> torch.Tensor:
     input_ids, mask = padded_batch()
     return decode.StaticDecoder(model, **options).generate(
-        input_ids, mask, params, [2], 0, lambda: False, lambda done: None, ignore_eos=True)
+        decode.DecodeRequest(input_ids, mask, params, [2], 0, lambda: False, lambda done: None), ignore_eos=True)
 
 
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=20, seed=4)

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from comfyui_ernie_image.nodes.pe import cache as cache_module
-from comfyui_ernie_image.nodes.pe import local as local_module
 from comfyui_ernie_image.nodes.pe.cache import ResultCache, cache_key, enhance_cached
-from comfyui_ernie_image.nodes.pe.local import DECODE_MODES, LocalPromptEnhancer
+from comfyui_ernie_image.nodes.pe.local import enhancer as local_module
+from comfyui_ernie_image.nodes.pe.local.decode import PlainDecoder
+from comfyui_ernie_image.nodes.pe.local.enhancer import DECODE_MODES, LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.protocol import Completion, EnhancerError, PromptSpec, SamplingParams
 from comfyui_ernie_image.nodes.pe.runtime import Runtime
 
@@ -267,7 +268,7 @@ def test_the_local_identity_records_the_decode_path_in_use(tiny_models):
     fell_back = local(tiny_models["pe_folder"], decode="static")
     fell_back.enhance([PromptSpec("a cat")], SamplingParams(max_new_tokens=2))
     assert key_of(fell_back) == keys["static"]  # loading changes nothing
-    fell_back._decoder = None  # what a failed fast path leaves: plain generate from then on
+    fell_back._decoder = PlainDecoder(fell_back._model)  # what a failed fast path leaves: plain generate from then on
     assert key_of(fell_back) == keys["generate"]
 
 

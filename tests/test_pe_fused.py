@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from comfyui_ernie_image.nodes.pe.fused import FusedGatedMLP, fuse_mlp_projections
-from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
+from comfyui_ernie_image.nodes.pe.local.enhancer import LocalPromptEnhancer
+from comfyui_ernie_image.nodes.pe.local.fused import FusedGatedMLP, fuse_mlp_projections
+from comfyui_ernie_image.nodes.pe.local.weights import snapshot_source
 from comfyui_ernie_image.nodes.pe.protocol import PromptSpec, SamplingParams
 from comfyui_ernie_image.nodes.pe.runtime import Runtime
-from comfyui_ernie_image.nodes.pe.weights import snapshot_source
 
 
 @torch.inference_mode()

@@ -14,10 +14,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from comfyui_ernie_image.nodes.errors import ErnieImageError
+from comfyui_ernie_image.nodes.host.memory import text_model_dtype
 from comfyui_ernie_image.nodes.host.patchers import ManagedModule, WholeModelPatcher
 from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
-from comfyui_ernie_image.nodes.pe.decode import StaticDecoder
-from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
+from comfyui_ernie_image.nodes.pe.local.decode import PlainDecoder, StaticDecoder
+from comfyui_ernie_image.nodes.pe.local.enhancer import LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, SamplingParams
 from comfyui_ernie_image.nodes.pe.runtime import Runtime
 from helpers.files import snapshot_with_truncated_file
@@ -147,7 +148,7 @@ def test_an_interrupt_raised_by_comfyui_progress_hook_keeps_the_fast_path(tiny_m
     finally:
         comfy.utils.set_progress_bar_global_hook(None)
         mm.interrupt_current_processing(False)
-    assert pe._decoder is not None and not caplog.records
+    assert isinstance(pe._decoder, StaticDecoder) and not caplog.records
 
 
 def test_fault_injected_out_of_memory_is_raised_and_keeps_the_fast_path(tiny_models):
@@ -289,7 +290,7 @@ def test_fault_injected_failure_of_the_fast_decoder_alone_falls_back_to_generate
     pe._decoder.generate = compiler_failure
     with caplog.at_level(logging.WARNING):
         assert texts(pe, PROMPTS[:1], GREEDY) == first
-    assert pe._decoder is None
+    assert isinstance(pe._decoder, PlainDecoder)
     assert [r.getMessage() for r in caplog.records] == [
         "ERNIE-Image PE: fast decoding failed (inductor: failed to compile the decode step) where plain generate "
         "works; using plain generate from now on"]
@@ -298,9 +299,23 @@ def test_fault_injected_failure_of_the_fast_decoder_alone_falls_back_to_generate
 def test_cuda_graphs_are_not_used_under_comfyuis_cudamallocasync_allocator(monkeypatch):
     """The compiled decode step's CUDA graphs fail at the first step under cudaMallocAsync (ComfyUI's default
     allocator; seen on the H200), which then dropped fast decoding for plain generate."""
-    from comfyui_ernie_image.nodes.pe.decode import cuda_graphs_allowed
+    from comfyui_ernie_image.nodes.pe.local.decode import cuda_graphs_allowed
 
     monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
     assert not cuda_graphs_allowed(torch.device("cuda", 0)) and cuda_graphs_allowed(torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
     assert cuda_graphs_allowed(torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_auto_takes_the_text_encoders_dtype_on_every_gpu(tiny_models, monkeypatch, bf16):
+    """One rule for both Ministral models (``host.memory.text_model_dtype``): bf16 where ComfyUI computes in it,
+    float32 on GPUs before Ampere (where the PE once took fp16 and the text encoder float32), from ComfyUI's host and
+    from plain torch alike. No weights are read: the dtype is settled from the device alone."""
+    gpu = torch.device("cuda:0")
+    monkeypatch.setattr(mm, "should_use_bf16", lambda device=None, *args, **kwargs: bf16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0) if bf16 else (7, 5))
+    expected = torch.bfloat16 if bf16 else torch.float32
+    assert text_model_dtype(gpu) == expected
+    for runtime in (ComfyRuntime(), Runtime()):
+        assert LocalPromptEnhancer.from_snapshot(tiny_models["snapshot"], runtime=runtime)._dtype(gpu) == expected

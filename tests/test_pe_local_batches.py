@@ -13,10 +13,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from comfyui_ernie_image.nodes.pe.batching import CPU_ROWS, MEMORY_SHARE, row_bytes
 from comfyui_ernie_image.nodes.pe.cache import ResultCache, enhance_cached
 from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
-from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
+from comfyui_ernie_image.nodes.pe.local.batching import CPU_ROWS, MEMORY_SHARE, row_bytes
+from comfyui_ernie_image.nodes.pe.local.enhancer import LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.protocol import GenerationStopped, PromptSpec, SamplingParams
 from comfyui_ernie_image.nodes.pe.runtime import Runtime
 
@@ -90,11 +90,11 @@ def record_batches(pe: LocalPromptEnhancer, fail=None) -> list[int]:
     """The size of each batch generated; ``fail(size, call)`` may raise instead."""
     sizes, generate = [], pe._generate
 
-    def recorded(input_ids, attention_mask, params):
+    def recorded(request):
         if fail is not None:
-            fail(input_ids.shape[0], len(sizes))
-        sizes.append(input_ids.shape[0])
-        return generate(input_ids, attention_mask, params)
+            fail(request.input_ids.shape[0], len(sizes))
+        sizes.append(request.input_ids.shape[0])
+        return generate(request)
 
     pe._generate = recorded
     return sizes

@@ -13,7 +13,7 @@ import requests
 import websocket
 from PIL import Image
 
-from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
+from comfyui_ernie_image.nodes.pe.local.enhancer import LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.locate import pe_choices
 from comfyui_ernie_image.nodes.pe.nodes import (
     ErnieImagePELoader,
@@ -22,7 +22,7 @@ from comfyui_ernie_image.nodes.pe.nodes import (
     result_cache,
 )
 from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, SamplingParams
-from comfyui_ernie_image.nodes.pe.remote import RemotePromptEnhancer
+from comfyui_ernie_image.nodes.pe.remote.enhancer import RemotePromptEnhancer
 from comfyui_ernie_image.nodes.pe.runtime import Runtime
 from helpers.pe_servers import FaultServer, RecordingProxy, chat_reply
 from scripts.comfy_headless import free_port

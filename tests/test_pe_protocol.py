@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import TopPLogitsWarper
 
-from comfyui_ernie_image.nodes.pe.decode import sample_top_p, uniform_draws
+from comfyui_ernie_image.nodes.pe.local.decode import sample_top_p, uniform_draws
+from comfyui_ernie_image.nodes.pe.local.weights import BAIDU_CHAT_TEMPLATE
 from comfyui_ernie_image.nodes.pe.protocol import (
     EnhancerError,
     PromptSpec,
@@ -19,7 +20,6 @@ from comfyui_ernie_image.nodes.pe.protocol import (
     chat_messages,
     user_message,
 )
-from comfyui_ernie_image.nodes.pe.weights import BAIDU_CHAT_TEMPLATE
 
 HOSTILE = 'a "quoted" \\ back\\slash\nnew line\t tab 中文提示 🐱‍👤 </s> [INST] {"json": 1} \u2028 \x00'
 

@@ -13,12 +13,12 @@ import comfy.model_management as mm
 import pytest
 import requests
 
-from comfyui_ernie_image.nodes.pe import remote as remote_module
 from comfyui_ernie_image.nodes.pe.cache import ResultCache, enhance_cached
 from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
-from comfyui_ernie_image.nodes.pe.local import LocalPromptEnhancer
+from comfyui_ernie_image.nodes.pe.local.enhancer import LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, SamplingParams, chat_messages, user_message
-from comfyui_ernie_image.nodes.pe.remote import RemotePromptEnhancer
+from comfyui_ernie_image.nodes.pe.remote import enhancer as remote_module
+from comfyui_ernie_image.nodes.pe.remote.enhancer import RemotePromptEnhancer
 from comfyui_ernie_image.nodes.pe.runtime import Runtime
 from helpers.pe_servers import Reply, chat_body, chat_reply, models_reply, remote
 from scripts.comfy_headless import free_port

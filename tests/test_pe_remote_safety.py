@@ -21,7 +21,7 @@ from comfyui_ernie_image.nodes.pe.cache import ResultCache, cache_key, enhance_c
 from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
 from comfyui_ernie_image.nodes.pe.nodes import ErnieImagePERemote
 from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, SamplingParams, chat_messages
-from comfyui_ernie_image.nodes.pe.remote import RemotePromptEnhancer
+from comfyui_ernie_image.nodes.pe.remote.enhancer import RemotePromptEnhancer
 from helpers.pe_servers import (
     FaultServer,
     ForwardProxy,

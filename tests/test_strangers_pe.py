@@ -15,10 +15,10 @@ import folder_paths
 import pytest
 
 from comfyui_ernie_image.nodes.pe.cache import ResultCache, enhance_cached
-from comfyui_ernie_image.nodes.pe.key_policy import trusted_server
 from comfyui_ernie_image.nodes.pe.nodes import ErnieImagePERemote, ErnieImagePromptEnhance, result_cache
 from comfyui_ernie_image.nodes.pe.protocol import Completion, EnhancerError, PromptSpec, SamplingParams
-from comfyui_ernie_image.nodes.pe.url import is_loopback, parse_api_root
+from comfyui_ernie_image.nodes.pe.remote.key_policy import trusted_server
+from comfyui_ernie_image.nodes.pe.remote.url import is_loopback, parse_api_root
 from helpers.pe_servers import RecordingProxy, Reply, key_not_sent, models_reply, remote
 
 PROMPT = [PromptSpec("a red kite over the sea", 1024, 1024)]

@@ -68,7 +68,14 @@ def core_unet_dtype(device: torch.device, supported: list[torch.dtype]) -> tuple
 
 
 def text_model_dtype(device: torch.device) -> torch.dtype:
-    """bf16 where the GPU runs it well (the released weights' dtype), float32 elsewhere (CPU, old GPUs)."""
+    """The dtype of both Ministral models, the text encoder and the local PE: bf16 (the released weights' dtype) on a
+    GPU where ComfyUI computes in bf16 (``should_use_bf16``: NVIDIA from Ampere on), float32 elsewhere (the CPU, older
+    GPUs). Float32 is what core's own text encoders compute in on every device: ``SDClipModel.forward`` runs them with
+    ``dtype=torch.float32`` and ``comfy.ops.manual_cast`` casts each stored weight to it (sd1_clip.py, 0.3.75 and
+    upstream @443393b4), whatever ``text_encoder_dtype()`` stores them in (fp16 unless a ``--*-text-enc`` flag says
+    otherwise; model_management.py, 0.3.75 and upstream @02b2b388). A transformers model has no per-layer cast, so it
+    is stored in the dtype it computes in. fp16, which the PE took on GPUs before Ampere, is not what core computes
+    text models in, and the models were trained in bf16, whose range fp16 lacks."""
     if mm.is_device_cuda(device) and mm.should_use_bf16(device):
         return torch.bfloat16
     return torch.float32

@@ -1,5 +1,6 @@
-"""The Prompt Enhancer: protocol, local and remote backends, result cache, ComfyUI nodes.
+"""The Prompt Enhancer: what the backends share, the local and the remote backend, the result cache, the nodes.
 
-The engine modules (``protocol``, ``decode``, ``weights``, ``local``, ``remote``, ``cache``, ``runtime``) import no
-ComfyUI; ``comfy_runtime`` and ``nodes`` are the ComfyUI side.
+Engine (no ComfyUI): ``protocol``, ``cache``, ``runtime`` (the host interface, plain torch), ``local/`` and
+``remote/``. ComfyUI side: ``comfy_runtime`` (the host as ComfyUI's model management, interrupt and progress bar),
+``locate`` (ComfyUI's model folders) and ``nodes``, which builds the handles with ``ComfyRuntime``.
 """

@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..host.memory import load_whole, text_devices, torch_device, usable_memory
-from ..host.patchers import ManagedModule, WholeModelPatcher, on_detach
+from ..host.memory import load_whole, text_devices, text_model_dtype, text_model_patcher, torch_device, usable_memory
+from ..host.patchers import ManagedModule, on_detach
 from ..host.sampling import Interrupted, interrupted, progress_bar, raise_if_interrupted
 from .runtime import Runtime
 
@@ -26,11 +26,18 @@ class ComfyRuntime(Runtime):
     def device(self, name: str) -> torch.device:
         return torch_device() if name == "default" else torch.device(name)
 
+    def dtype(self, device: torch.device) -> torch.dtype:
+        """The text encoder's rule (``text_model_dtype``): one for both Ministral models."""
+        return text_model_dtype(device)
+
     def manage(
         self, model: torch.nn.Module, device: torch.device, on_unload: Callable[[], None]
     ) -> Callable[[int], None]:
+        """The text encoder's route: loaded whole on demand, as ``text_model_patcher`` makes it. ``chosen``: the PE
+        stays on the device it was read for, since its dtype, decode path and cache identity follow from it."""
         offload = text_devices()[1]
-        patcher = WholeModelPatcher(PromptEnhancerModule(model, offload), load_device=device, offload_device=offload)
+        patcher = text_model_patcher(PromptEnhancerModule(model, offload), device, offload, "prompt enhancer",
+                                     chosen=True)
         on_detach(patcher, on_unload)
         return lambda memory_required: load_whole(patcher, memory_required)
 

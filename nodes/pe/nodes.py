@@ -1,4 +1,7 @@
-"""Prompt Enhancer nodes: a local PE loader, a remote PE, and the enhance node (schemas and plumbing only)."""
+"""Prompt Enhancer nodes: a local PE loader, a remote PE, and the enhance node (schemas and plumbing only).
+
+Every handle made here runs on ComfyUI's host (``ComfyRuntime``): its model management, interrupt and progress bar.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ from comfy_api.v0_0_2 import io, ui
 from ..host.memory import device_options
 from ..sockets import ErniePEType
 from .cache import CACHE_MODES, ResultCache, enhance_cached
-from .local import DTYPES, LocalPromptEnhancer
+from .comfy_runtime import ComfyRuntime
+from .local.enhancer import DTYPES, LocalPromptEnhancer
 from .locate import PE_MODELS, pe_path
 from .protocol import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -23,8 +27,7 @@ from .protocol import (
     PromptSpec,
     SamplingParams,
 )
-from .remote import RemotePromptEnhancer
-from .runtime import default_runtime
+from .remote.enhancer import RemotePromptEnhancer
 
 
 class ErnieImagePELoader(io.ComfyNode):
@@ -42,7 +45,8 @@ class ErnieImagePELoader(io.ComfyNode):
                 io.Combo.Input("device", options=device_options(), default="default",
                                tooltip="default: ComfyUI's GPU. Another GPU keeps the PE beside the DiT."),
                 io.Combo.Input("dtype", options=["auto", *DTYPES], default="auto",
-                               tooltip="auto: bf16 on GPUs that support it (fp16 otherwise), float32 on the CPU."),
+                               tooltip="auto: as ComfyUI's text encoders: bf16 on GPUs that compute in it (NVIDIA from "
+                               "Ampere on), float32 elsewhere (the CPU, older GPUs)."),
             ],
             outputs=[ErniePEType.Output(display_name="PE")],
         )
@@ -53,7 +57,8 @@ class ErnieImagePELoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, model_name: str, device: str = "default", dtype: str = "auto") -> io.NodeOutput:
-        return io.NodeOutput(LocalPromptEnhancer.from_path(pe_path(model_name), device=device, dtype=dtype))
+        return io.NodeOutput(LocalPromptEnhancer.from_path(pe_path(model_name), device=device, dtype=dtype,
+                                                          runtime=ComfyRuntime()))
 
 
 class ErnieImagePERemote(io.ComfyNode):
@@ -88,7 +93,12 @@ class ErnieImagePERemote(io.ComfyNode):
     def execute(cls, base_url: str, model: str = "", api_key_env: str = "", timeout_s: float = 120.0,
                 max_retries: int = 3) -> io.NodeOutput:
         return io.NodeOutput(RemotePromptEnhancer(base_url, model, api_key_env, timeout_s, max_retries,
-                                                  runtime=default_runtime()))
+                                                  runtime=ComfyRuntime()))
+
+
+def snapshot_pe(snapshot: Path) -> LocalPromptEnhancer | None:
+    """The PE of a snapshot folder on ComfyUI's host, lazy (the all-in-one loader's); None when it has no ``pe/``."""
+    return LocalPromptEnhancer.from_snapshot(snapshot, runtime=ComfyRuntime())
 
 
 @functools.cache

@@ -1,6 +1,7 @@
-"""The host an engine runs in: devices, weight placement, stop requests, progress.
+"""The host a PE engine runs in: devices, weight placement, stop requests, progress.
 
-``Runtime`` is plain torch (scripts, tests without ComfyUI); ``comfy_runtime.ComfyRuntime`` is ComfyUI's.
+``Runtime`` is plain torch, the engines' default (scripts, tests without ComfyUI); ComfyUI's host
+(``comfy_runtime.ComfyRuntime``) is built by the nodes and handed to the engines, which never look for it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ class Runtime:
         if name == "default":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(name)
+
+    def dtype(self, device: torch.device) -> torch.dtype:
+        """The PE's dtype on ``device`` when the loader says ``auto``: the rule of ComfyUI's host
+        (``host.memory.text_model_dtype``) as torch alone can tell it, bf16 on GPUs with bf16 math (sm80+), float32
+        elsewhere."""
+        if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
+            return torch.bfloat16
+        return torch.float32
 
     def manage(
         self, model: torch.nn.Module, device: torch.device, on_unload: Callable[[], None]
@@ -46,11 +55,3 @@ class Runtime:
     def progress(self, total: int) -> Callable[[int], None]:
         return lambda done: None
 
-
-def default_runtime() -> Runtime:
-    """ComfyUI's runtime inside ComfyUI, plain torch elsewhere."""
-    try:
-        from .comfy_runtime import ComfyRuntime
-    except ImportError:
-        return Runtime()
-    return ComfyRuntime()

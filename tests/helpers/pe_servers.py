@@ -245,7 +245,7 @@ def transformers_serve(model_folder: Path, workdir: Path) -> Iterator[str]:
 
 def remote(url: str, **options):
     """A remote PE on ``url`` with the plain-torch runtime, as the tests use it."""
-    from comfyui_ernie_image.nodes.pe.remote import RemotePromptEnhancer
+    from comfyui_ernie_image.nodes.pe.remote.enhancer import RemotePromptEnhancer
     from comfyui_ernie_image.nodes.pe.runtime import Runtime
 
     return RemotePromptEnhancer(url, runtime=Runtime(), **options)

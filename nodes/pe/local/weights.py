@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from ..ministral_file import load_ministral_folder, read_config, read_ministral_file
-from ..model_files import file_stamps, read_json
-from .protocol import EnhancerError
+from ...ministral_file import load_ministral_folder, read_config, read_ministral_file
+from ...model_files import file_stamps, read_json
+from ..protocol import EnhancerError
 
 BAIDU_CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "tekken.json")

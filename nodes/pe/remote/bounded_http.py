@@ -27,7 +27,7 @@ import urllib3
 import urllib3.exceptions
 from requests.adapters import HTTPAdapter
 
-from .protocol import GenerationStopped
+from ..protocol import GenerationStopped
 
 MAX_ANSWER_BYTES = 8 * 1024 * 1024  # a prompt enhancer's answer is a few KiB; a model listing rarely 100 KiB
 _PIECE_BYTES = 64 * 1024

@@ -27,7 +27,7 @@ import hashlib
 import os
 import re
 
-from .protocol import EnhancerError
+from ..protocol import EnhancerError
 from .url import ApiRoot, is_loopback, parse_api_root
 
 PREFIX = "ERNIE_PE_API_KEY"

@@ -1,4 +1,5 @@
-"""Token generation for the local PE: seeded top-p sampling, plain ``generate`` and the static-cache fast path.
+"""Token generation for the local PE: seeded top-p sampling and two decoders, plain ``generate`` (``PlainDecoder``) and
+the static-cache fast path (``StaticDecoder``), which take the same request (``DecodeRequest``).
 
 Both paths draw the same uniform numbers from the seed and sample with the same function, so a seed gives the same
 text on either path (up to floating point), and a prompt's text does not depend on the other prompts of its batch.
@@ -17,17 +18,48 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, StaticCache, StoppingCriteria, StoppingCriteriaList
 
+from ..protocol import GenerationStopped, SamplingParams
 from . import attention as grouped_attention
-from .protocol import GenerationStopped, SamplingParams
 
 _SYNC_EVERY = 16  # decode steps between looks at the GPU (EOS, progress)
 # The shape buckets the compiled step's recompile limit covers: batches of up to 64 prompts, prompt and answer up to
 # 16384 tokens (the node's longest max_new_tokens, 8192, after a prompt as long).
 _COVERED_ROWS, _COVERED_TOKENS = 64, 16384
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """One batch to decode: left-padded prompts ``input_ids``/``attention_mask [B, S]`` on the model's device, the
+    sampling, the stop tokens, the pad id, and the host's callbacks: ``should_stop()``, looked at between steps, and
+    ``progress(tokens)``, told how many new tokens each row has so far."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    params: SamplingParams
+    eos_ids: list[int]
+    pad_id: int
+    should_stop: Callable[[], bool]
+    progress: Callable[[int], None]
+
+
+class Decoder(Protocol):
+    """Turns a ``DecodeRequest`` into new tokens ``[B, T]``, pad after EOS; raises ``GenerationStopped`` when
+    ``should_stop`` says so. ``name``: the decode path, as the result cache's identity records it; ``bucketed``:
+    batches run in shape buckets, so that every batch of a list is best padded to one."""
+
+    name: str
+    bucketed: bool
+
+    def generate(self, request: DecodeRequest) -> torch.Tensor: ...
+
+    def release(self) -> None:
+        """Drop what the decoder keeps on the device (when the weights leave it)."""
 
 
 def uniform_draws(seed: int, steps: int) -> torch.Tensor:
@@ -89,32 +121,37 @@ class _StopCheck(StoppingCriteria):
         return torch.full((input_ids.shape[0],), self.stopped, dtype=torch.bool, device=input_ids.device)
 
 
-def generate_plain(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    params: SamplingParams,
-    eos_ids: list[int],
-    pad_id: int,
-    should_stop: Callable[[], bool],
-    progress: Callable[[int], None],
-) -> torch.Tensor:
-    """transformers' ``generate`` with the seeded sampler; returns the new tokens ``[B, T]``, pad after EOS."""
-    config = GenerationConfig(
-        do_sample=False, max_new_tokens=params.max_new_tokens, eos_token_id=eos_ids, pad_token_id=pad_id
-    )
-    prompt_length = input_ids.shape[1]
-    stop = _StopCheck(should_stop, progress, prompt_length)
-    output = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        generation_config=config,
-        logits_processor=[_SeededSampler(params, prompt_length, input_ids.device)],
-        stopping_criteria=StoppingCriteriaList([stop]),
-    )
-    if stop.stopped:
-        raise GenerationStopped("generation was interrupted")
-    return output[:, prompt_length:]
+class PlainDecoder:
+    """transformers' ``generate`` with the seeded sampler: runs wherever the model runs (the fast path's fallback)."""
+
+    name = "generate"
+    bucketed = False
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def release(self) -> None:
+        """Nothing to drop: ``generate`` makes its cache per call."""
+
+    @torch.inference_mode()
+    def generate(self, request: DecodeRequest) -> torch.Tensor:
+        params = request.params
+        config = GenerationConfig(
+            do_sample=False, max_new_tokens=params.max_new_tokens, eos_token_id=request.eos_ids,
+            pad_token_id=request.pad_id,
+        )
+        prompt_length = request.input_ids.shape[1]
+        stop = _StopCheck(request.should_stop, request.progress, prompt_length)
+        output = self.model.generate(
+            input_ids=request.input_ids,
+            attention_mask=request.attention_mask,
+            generation_config=config,
+            logits_processor=[_SeededSampler(params, prompt_length, request.input_ids.device)],
+            stopping_criteria=StoppingCriteriaList([stop]),
+        )
+        if stop.stopped:
+            raise GenerationStopped("generation was interrupted")
+        return output[:, prompt_length:]
 
 
 def _decode_step(model, cache_kwargs, token, position, mask, u, temperature, top_p) -> torch.Tensor:
@@ -177,12 +214,6 @@ def _bucket_count(rows: int, tokens: int) -> int:
     return len({_bucket(n, 1) for n in range(1, rows + 1)}) * len({_cache_length(n) for n in range(1, tokens + 1)})
 
 
-def kv_cache_bytes(config, rows: int, length: int, dtype: torch.dtype) -> int:
-    """Memory a KV cache of ``rows`` sequences of ``length`` tokens takes (for the host's memory planning)."""
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-    return rows * length * per_token * torch.empty((), dtype=dtype).element_size()
-
-
 def _in_own_attention(method: Callable) -> Callable:
     """Runs a ``StaticDecoder`` method with the model switched to the decoder's attention, and back after."""
 
@@ -202,6 +233,8 @@ class StaticDecoder:
     switch it; plain ``generate`` keeps the model's own.
     """
 
+    bucketed = True
+
     def __init__(self, model: torch.nn.Module, compiled: bool, attention: str | None = grouped_attention.NAME):
         self.model = model
         self.compiled = compiled
@@ -211,6 +244,10 @@ class StaticDecoder:
         params = inspect.signature(type(model).forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.24 renamed it
         self._caches: dict[tuple[int, int], StaticCache] = {}
+
+    @property
+    def name(self) -> str:
+        return "static-compiled" if self.compiled else "static"
 
     @staticmethod
     def shape(batch: int, prompt_length: int, max_new_tokens: int) -> tuple[int, int]:
@@ -231,19 +268,10 @@ class StaticDecoder:
 
     @_in_own_attention
     @torch.inference_mode()
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        params: SamplingParams,
-        eos_ids: list[int],
-        pad_id: int,
-        should_stop: Callable[[], bool],
-        progress: Callable[[int], None],
-        ignore_eos: bool = False,
-    ) -> torch.Tensor:
-        """New tokens ``[B, T]`` for left-padded prompts (a row goes on after its EOS until all rows have one: cut
-        at the first EOS); ``ignore_eos`` runs all ``max_new_tokens`` (benchmarks)."""
+    def generate(self, request: DecodeRequest, ignore_eos: bool = False) -> torch.Tensor:
+        """New tokens ``[B, T]`` (a row goes on after its EOS until all rows have one: cut at the first EOS);
+        ``ignore_eos`` runs all ``max_new_tokens`` (benchmarks)."""
+        input_ids, attention_mask, params = request.input_ids, request.attention_mask, request.params
         batch, prompt_length = input_ids.shape
         rows, length = self.shape(batch, prompt_length, params.max_new_tokens)
         device = input_ids.device
@@ -257,14 +285,14 @@ class StaticDecoder:
         positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
         cache_kwargs = {self._cache_arg: self._cache(rows, length)}
         u, temperature, top_p = _sampling_tensors(params, device)
-        eos = torch.tensor(eos_ids, device=device)
+        eos = torch.tensor(request.eos_ids, device=device)
 
         logits = self.model(
             input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
             **cache_kwargs,
         ).logits[:, -1]
         token = sample_top_p(logits, u[0], temperature, top_p)
-        tokens = torch.full((rows, params.max_new_tokens), pad_id, dtype=torch.long, device=device)
+        tokens = torch.full((rows, params.max_new_tokens), request.pad_id, dtype=torch.long, device=device)
         tokens[:, 0] = token
         finished = torch.isin(token, eos)
         position = positions[:, -1] + 1
@@ -273,10 +301,10 @@ class StaticDecoder:
         steps = 1
         with _recompile_limit() if self.compiled else contextlib.nullcontext():
             while steps < params.max_new_tokens:
-                if should_stop():
+                if request.should_stop():
                     raise GenerationStopped("generation was interrupted")
                 if steps % _SYNC_EVERY == 0:
-                    progress(steps)
+                    request.progress(steps)
                     if not ignore_eos and bool(finished[:batch].all()):
                         break
                 if graphs:
@@ -286,5 +314,5 @@ class StaticDecoder:
                 finished |= torch.isin(token, eos)
                 position += 1
                 steps += 1
-        progress(steps)
+        request.progress(steps)
         return tokens[:batch, :steps]

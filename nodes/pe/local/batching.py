@@ -11,28 +11,35 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from .decode import StaticDecoder, kv_cache_bytes
+from .decode import StaticDecoder
 
 MAX_ROWS = 64  # the decode step's compiled shapes cover batches of up to 64 (decode._COVERED_ROWS)
 CPU_ROWS = 16
 MEMORY_SHARE = 0.9  # of the free memory a batch may plan for: the rest absorbs what the estimate leaves out
 
 
+def kv_cache_bytes(config, rows: int, prompt_length: int, max_new_tokens: int, dtype: torch.dtype) -> int:
+    """Memory the KV cache of a batch of ``rows`` prompts of ``prompt_length`` tokens takes: the fast path's cache, its
+    batch and length rounded up to their shape bucket (``StaticDecoder.shape``)."""
+    rows, length = StaticDecoder.shape(rows, prompt_length, max_new_tokens)
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    return rows * length * per_token * dtype.itemsize
+
+
 def row_bytes(config, prompt_length: int, max_new_tokens: int, dtype: torch.dtype) -> int:
     """Memory one prompt of a batch needs while it is generated (an estimate from the model's shapes)."""
-    element = torch.empty((), dtype=dtype).element_size()
-    cache_length = StaticDecoder.shape(1, prompt_length, max_new_tokens)[1]
+    element = dtype.itemsize
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     # The prompt pass, per token: the residual and normed states, q/k/v/attention output, the fused gate-up product
     # and the activated half.
     per_token = 2 * config.hidden_size + (2 * heads + 2 * kv_heads) * head_dim + 3 * config.intermediate_size
     scores = heads * prompt_length * prompt_length * 4  # float attention scores where attention is not fused
     sampling = 8 * config.vocab_size * 4  # float logits, probabilities, their sorted copies and sums
-    return kv_cache_bytes(config, 1, cache_length, dtype) + prompt_length * per_token * element + scores + sampling
+    kv_cache = kv_cache_bytes(config, 1, prompt_length, max_new_tokens, dtype)
+    return kv_cache + prompt_length * per_token * element + scores + sampling
 
 
 def batch_rows(free: int | None, per_row: int, count: int, device: torch.device) -> int:
@@ -50,15 +57,7 @@ def next_batch(done: int, count: int, rows: int) -> int:
     return math.ceil(left / math.ceil(left / rows))
 
 
-class PromptProgress:
-    """The runtime a batch's generation sees: the host's in every way, except that its progress in tokens moves the
-    host's bar of prompts (the prompts done before this batch, plus this batch's share)."""
-
-    def __init__(self, host: Any, bar: Callable[[float], None], done: int, rows: int):
-        self._host, self._bar, self._done, self._rows = host, bar, done, rows
-
-    def progress(self, total: int) -> Callable[[int], None]:
-        return lambda tokens: self._bar(self._done + self._rows * min(tokens / max(total, 1), 1.0))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._host, name)
+def batch_progress(bar: Callable[[float], None], done: int, rows: int, max_new_tokens: int) -> Callable[[int], None]:
+    """A batch's progress in new tokens as the host's bar of prompts: the prompts done before this batch, plus this
+    batch's share of its ``rows`` prompts."""
+    return lambda tokens: bar(done + rows * min(tokens / max(max_new_tokens, 1), 1.0))

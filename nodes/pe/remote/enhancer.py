@@ -23,10 +23,10 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
+from ..protocol import Completion, EnhancerError, GenerationStopped, PromptSpec, ResultCallback, SamplingParams
+from ..runtime import Runtime
 from .bounded_http import Answer, HttpFailure, exchange
 from .key_policy import bound_key, check_key_name, credential_id, trusted_server
-from .protocol import Completion, EnhancerError, GenerationStopped, PromptSpec, ResultCallback, SamplingParams
-from .runtime import Runtime
 from .url import parse_api_root
 
 _CONNECT_TIMEOUT_S = 10.0  # or timeout_s when shorter: a server that is up accepts at once; timeout_s is for answers

@@ -1,8 +1,9 @@
 """The local PE backend: a lazy handle that loads the weights on first use and generates with transformers.
 
 On CUDA with a working compiler, decoding takes the static-cache fast path (``decode.StaticDecoder``); elsewhere
-plain ``generate``. Where the weights live and how generation stops are the host's business (``Runtime``): plain
-torch here, ComfyUI's model management and interrupt in ``comfy_runtime`` when running inside ComfyUI.
+plain ``generate`` (``decode.PlainDecoder``), which also takes over, for good, from a fast path that fails alone.
+Where the weights live and how generation stops are the host's business (``Runtime``): plain torch by default,
+ComfyUI's model management and interrupt (``comfy_runtime``) where the nodes pass it in.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from ..host.sizes import CacheSized
-from ..model_files import builds_weights, read_json
-from .batching import MAX_ROWS, PromptProgress, batch_rows, next_batch, row_bytes
-from .decode import StaticDecoder, generate_plain, kv_cache_bytes
+from ...host.sizes import CacheSized
+from ...model_files import builds_weights, read_json
+from ..protocol import Completion, GenerationStopped, PromptSpec, ResultCallback, SamplingParams
+from ..runtime import Runtime
+from .batching import MAX_ROWS, batch_progress, batch_rows, kv_cache_bytes, next_batch, row_bytes
+from .decode import Decoder, DecodeRequest, PlainDecoder, StaticDecoder
 from .fused import fuse_mlp_projections
-from .protocol import Completion, GenerationStopped, PromptSpec, ResultCallback, SamplingParams
-from .runtime import Runtime, default_runtime
 from .weights import BAIDU_CHAT_TEMPLATE, PESource, path_source, snapshot_source
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -39,8 +40,9 @@ def _compiler_available() -> bool:
 class LocalPromptEnhancer(CacheSized):
     """A lazy handle on local PE weights: nothing is read before the first ``enhance``.
 
-    ``device``: ``"default"`` or a torch device name; ``dtype``: ``"auto"`` or a key of ``DTYPES``; ``decode``: one of
-    ``DECODE_MODES`` (``"auto"``: the compiled static-cache path on CUDA, plain ``generate`` elsewhere).
+    ``device``: ``"default"`` or a torch device name; ``dtype``: ``"auto"`` (the host's choice, ``Runtime.dtype``) or
+    a key of ``DTYPES``; ``decode``: one of ``DECODE_MODES`` (``"auto"``: the compiled static-cache path on CUDA, plain
+    ``generate`` elsewhere); ``runtime``: the host (plain torch when None).
     """
 
     def __init__(
@@ -56,8 +58,9 @@ class LocalPromptEnhancer(CacheSized):
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
         self.source, self.device_name, self.dtype_name, self.decode = source, device, dtype, decode
-        self.runtime = runtime or default_runtime()
-        self._model = self._tokenizer = self._decoder = self._load = None
+        self.runtime = runtime or Runtime()
+        self._model = self._tokenizer = self._load = None
+        self._decoder: Decoder | None = None  # set with the model
 
     @classmethod
     def from_snapshot(cls, snapshot_dir: Path, **options) -> LocalPromptEnhancer | None:
@@ -80,15 +83,11 @@ class LocalPromptEnhancer(CacheSized):
                 f"|device={_device_label(device)}|decode={self._decode_path(device)}")
 
     def _dtype(self, device: torch.device) -> torch.dtype:
-        return DTYPES.get(self.dtype_name) or _auto_dtype(device)
+        return DTYPES.get(self.dtype_name) or self.runtime.dtype(device)
 
     def _decode_path(self, device: torch.device) -> str:
         """The decode path: once loaded, the one in use (a failed fast path falls back to generate for good)."""
-        if self._model is None:
-            return _resolve_decode(self.decode, device)
-        if self._decoder is None:
-            return "generate"
-        return "static-compiled" if self._decoder.compiled else "static"
+        return _resolve_decode(self.decode, device) if self._model is None else self._decoder.name
 
     @property
     def loaded(self) -> bool:
@@ -109,13 +108,12 @@ class LocalPromptEnhancer(CacheSized):
         model, tokenizer = self.source.load(self._dtype(device))
         fuse_mlp_projections(model)  # one product for gate and up: decode steps stream the weights faster
         mode = _resolve_decode(self.decode, device)
-        self._decoder = StaticDecoder(model, compiled=mode == "static-compiled") if mode != "generate" else None
+        self._decoder = PlainDecoder(model) if mode == "generate" else StaticDecoder(model, mode == "static-compiled")
         self._load = self.runtime.manage(model, device, on_unload=self._release_caches)
         self._model, self._tokenizer, self._device = model, tokenizer, device
 
     def _release_caches(self) -> None:
-        if self._decoder is not None:
-            self._decoder.release()
+        self._decoder.release()
 
     def enhance(
         self, specs: Sequence[PromptSpec], params: SamplingParams, on_result: ResultCallback | None = None
@@ -136,7 +134,7 @@ class LocalPromptEnhancer(CacheSized):
                     raise GenerationStopped("stopped between two batches")
                 done = len(completions)
                 batch = prompts[done:done + next_batch(done, len(specs), rows)]
-                pad = self._decoder is not None and rows < len(specs)  # every batch in one static-cache bucket
+                pad = self._decoder.bucketed and rows < len(specs)  # every batch in one shape bucket
                 try:
                     texts = self._enhance_batch(batch, params, rows if pad else len(batch), bar, done)
                 except torch.OutOfMemoryError:
@@ -174,41 +172,31 @@ class LocalPromptEnhancer(CacheSized):
                        bar: Callable[[float], None], done: int) -> list[Completion]:
         """One batch of tokenized prompts, padded to ``rows`` with copies of its first (their texts are dropped)."""
         input_ids, attention_mask = self._left_pad([*prompts, *[prompts[0]] * (rows - len(prompts))])
-        batch, length = input_ids.shape
-        self._load(kv_cache_bytes(self._model.config, *StaticDecoder.shape(batch, length, params.max_new_tokens),
-                                  self._model.dtype))
-        host = self.runtime
-        self.runtime = PromptProgress(host, bar, done, len(prompts))  # what _generate reports moves the prompt bar
-        try:
-            tokens = self._generate(input_ids.to(self._device), attention_mask.to(self._device), params)
-        finally:
-            self.runtime = host
+        self._load(kv_cache_bytes(self._model.config, *input_ids.shape, params.max_new_tokens, self._model.dtype))
+        request = DecodeRequest(
+            input_ids.to(self._device), attention_mask.to(self._device), params, self._eos_ids(), self._pad_id(),
+            self.runtime.should_stop, batch_progress(bar, done, len(prompts), params.max_new_tokens),
+        )
+        tokens = self._generate(request)
         return [self._completion(row, params) for row in tokens[:len(prompts)].cpu().tolist()]
 
-    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        args = (input_ids, attention_mask, params, self._eos_ids(), self._pad_id(), self.runtime.should_stop,
-                self.runtime.progress(params.max_new_tokens))
-        if self._decoder is not None:
-            try:
-                return self._decoder.generate(*args)
-            except (GenerationStopped, torch.OutOfMemoryError, *self.runtime.interrupts):
-                raise  # a stop, or too long a batch for the memory: the fast path itself is sound
-            except Exception as error:
-                if self.decode != "auto":
-                    raise
-                # Plain generate tells whose failure it was. Failing too, the cause lies elsewhere (the weights,
-                # the device: broken weights once failed both) and its error is raised with the fast path kept;
-                # working, the fast path's own (a compiler or graph failure) and it is dropped for good.
-                tokens = self._generate_plain(args)
-                logging.warning("ERNIE-Image PE: fast decoding failed (%s) where plain generate works; using plain "
-                                "generate from now on", error)
-                self._decoder = None
-                return tokens
-        return self._generate_plain(args)
-
-    def _generate_plain(self, args: tuple) -> torch.Tensor:
-        with torch.inference_mode():
-            return generate_plain(self._model, *args)
+    def _generate(self, request: DecodeRequest) -> torch.Tensor:
+        try:
+            return self._decoder.generate(request)
+        except (GenerationStopped, torch.OutOfMemoryError, *self.runtime.interrupts):
+            raise  # a stop, or too long a batch for the memory: the decoder itself is sound
+        except Exception as error:
+            if self.decode != "auto" or isinstance(self._decoder, PlainDecoder):
+                raise
+            # Plain generate tells whose failure it was. Failing too, the cause lies elsewhere (the weights, the
+            # device: broken weights once failed both) and its error is raised with the fast path kept; working,
+            # the fast path's own (a compiler or graph failure) and plain generate takes over for good.
+            plain = PlainDecoder(self._model)
+            tokens = plain.generate(request)
+            logging.warning("ERNIE-Image PE: fast decoding failed (%s) where plain generate works; using plain "
+                            "generate from now on", error)
+            self._decoder = plain
+            return tokens
 
     def _token_rows(self, specs: Sequence[PromptSpec]) -> list[list[int]]:
         """Each prompt chat-templated (no generation prompt) into token ids."""
@@ -277,9 +265,3 @@ def _template_digest(source: PESource) -> str:
         texts.append(BAIDU_CHAT_TEMPLATE.read_text(encoding="utf-8"))
     return hashlib.sha256("\0".join(texts).encode()).hexdigest()[:16]
 
-
-def _auto_dtype(device: torch.device) -> torch.dtype:
-    """bf16 (the released weights' dtype) on GPUs with bf16 math (sm80+), fp16 on older ones, fp32 on the CPU."""
-    if device.type != "cuda":
-        return torch.float32
-    return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from .protocol import EnhancerError
+from ..protocol import EnhancerError
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _DEFAULT_ROOT = "/v1"  # vLLM, SGLang and transformers serve answer under /v1: a bare host means its /v1
