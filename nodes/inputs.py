@@ -38,6 +38,16 @@ def _options_text(options: list) -> str:
     return shown or "none: the list is empty (nothing of that kind was found)"
 
 
+class AliasedCombo(io.Combo.Input):
+    """A Combo that also allows values it does not list: ``canonical`` maps such a value (an option's spelling from
+    before a rename) to the option it means, so that workflows saved before the rename keep loading. ComfyUI itself
+    leaves the check of a Combo that the node's ``validate_inputs`` takes to that function (``execution.py``)."""
+
+    def __init__(self, id: str, options: list[str], canonical: Callable[[str], str], **kwargs: Any):
+        super().__init__(id, options=options, **kwargs)
+        self.canonical = canonical
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -46,6 +56,8 @@ def _problem(spec: io.Input, value: Any) -> str | None:
     """What is wrong with one value of input ``spec``, in words; None when it is fine."""
     if isinstance(spec, io.Combo.Input):
         options = list(spec.options or [])
+        if isinstance(spec, AliasedCombo) and isinstance(value, str):
+            value = spec.canonical(value)
         if not any(value == option and type(value) is type(option) for option in options):  # True is not 1
             return f"is not one of its options ({_options_text(options)})"
         return None

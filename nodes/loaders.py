@@ -10,6 +10,7 @@ from comfy_api.v0_0_2 import io
 
 from .accel.compile import compiles_by_default
 from .accel.patching import compile_by_default
+from .choices import SNAPSHOTS, ModelList, files
 from .dit.build import load_dit
 from .dit.model import make_model_patcher
 from .dit.precision import WEIGHT_DTYPES, asked_dtypes
@@ -17,13 +18,16 @@ from .dit.schedule import DEFAULT_SHIFT, snapshot_shift
 from .dit.vae import load_snapshot_vae
 from .host.memory import fits_whole, torch_device, usable_memory
 from .host.sizes import module_bytes
-from .paths import SNAPSHOT_PREFIX, check_choice, model_file_path, safetensors_names, snapshot_names, snapshot_path
 from .pe.nodes import snapshot_pe
 from .quant.capability import METHODS
 from .quant.quantize import load_quantized_dit
 from .sockets import ErniePEType, ErnieTextEncoderType
 from .text.managed import ManagedTextEncoder
 from .text.nodes import text_encoder_device_input
+
+# Before the one grammar (``choices``), the all-in-one loader listed a snapshot bare, the DiT loader a file.
+SNAPSHOT_MODELS = ModelList((SNAPSHOTS,), legacy="diffusers")
+DIT_MODELS = ModelList((files("diffusion_models"), SNAPSHOTS), legacy="diffusion_models")
 
 
 def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, disable_dynamic: bool = False):
@@ -78,8 +82,8 @@ class ErnieImageLoader(io.ComfyNode):
             description="Loads a Hugging Face ERNIE-Image snapshot from models/diffusers: DiT, text encoder, VAE "
             "and, when the snapshot has one, the Prompt Enhancer. Samples like diffusers (shift 4.0, text mask).",
             inputs=[
-                io.Combo.Input("model_name", options=snapshot_names(),
-                               tooltip="A snapshot folder under models/diffusers (baidu/ERNIE-Image(-Turbo))."),
+                SNAPSHOT_MODELS.input("model_name", tooltip="A snapshot folder under models/diffusers "
+                                      "(baidu/ERNIE-Image(-Turbo)), listed as diffusers/<folder>."),
                 *_weight_inputs(),
                 text_encoder_device_input("text_encoder_device"),
             ],
@@ -93,12 +97,12 @@ class ErnieImageLoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, model_name: str) -> bool | str:
-        return check_choice(model_name, snapshot_names(), "diffusers")
+        return SNAPSHOT_MODELS.check(model_name)
 
     @classmethod
     def execute(cls, model_name: str, weight_dtype: str = "default", quantization: str = "none",
                 text_encoder_device: str = "default") -> io.NodeOutput:
-        snapshot = snapshot_path(model_name)
+        snapshot = SNAPSHOT_MODELS.resolve(model_name).path
         model = _load_model(snapshot, weight_dtype, quantization, snapshot_shift(snapshot))
         return io.NodeOutput(
             model,
@@ -108,14 +112,9 @@ class ErnieImageLoader(io.ComfyNode):
         )
 
 
-def _dit_choices() -> list[str]:
-    return safetensors_names("diffusion_models") + [SNAPSHOT_PREFIX + n for n in snapshot_names()]
-
-
 class ErnieImageDiTLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        options = _dit_choices()
         return io.Schema(
             node_id="ErnieImageDiTLoader",
             display_name="ERNIE-Image DiT Loader",
@@ -123,8 +122,8 @@ class ErnieImageDiTLoader(io.ComfyNode):
             description="Loads the ERNIE-Image diffusion transformer from models/diffusion_models (the ComfyUI "
             "repack) or from a snapshot folder's transformer/ (listed as diffusers/<name>).",
             inputs=[
-                io.Combo.Input("model_name", options=options,
-                               tooltip="ernie-image(-turbo).safetensors, or diffusers/<snapshot folder>."),
+                DIT_MODELS.input("model_name", tooltip="diffusion_models/ernie-image(-turbo).safetensors, or "
+                                 "diffusers/<snapshot folder>."),
                 *_weight_inputs(),
             ],
             outputs=[io.Model.Output()],
@@ -132,15 +131,13 @@ class ErnieImageDiTLoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, model_name: str) -> bool | str:
-        return check_choice(model_name, _dit_choices(), "diffusion_models")
+        return DIT_MODELS.check(model_name)
 
     @classmethod
     def execute(cls, model_name: str, weight_dtype: str = "default", quantization: str = "none") -> io.NodeOutput:
-        if model_name.startswith(SNAPSHOT_PREFIX):
-            snapshot = snapshot_path(model_name[len(SNAPSHOT_PREFIX):])
-            return io.NodeOutput(_load_model(snapshot, weight_dtype, quantization, snapshot_shift(snapshot)))
-        path = model_file_path("diffusion_models", model_name)
-        return io.NodeOutput(_load_model(path, weight_dtype, quantization, DEFAULT_SHIFT))
+        model = DIT_MODELS.resolve(model_name)
+        shift = snapshot_shift(model.path) if model.folder == SNAPSHOTS.folder else DEFAULT_SHIFT
+        return io.NodeOutput(_load_model(model.path, weight_dtype, quantization, shift))
 
 
 LOADER_NODES = [ErnieImageLoader, ErnieImageDiTLoader]

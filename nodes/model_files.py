@@ -140,6 +140,13 @@ def json_object(path: Path) -> dict:
     return data
 
 
+def file_stamps(files: Iterable[Path], name: Callable[[Path], str] = str) -> list[list]:
+    """``[name, size, modification time in ns]`` of each of ``files`` that is a file (the others are left out):
+    what tells one download or edit of a model's files from another without reading them. ``name`` names a file in
+    the list (by default its path)."""
+    return [[name(f), info.st_size, info.st_mtime_ns] for f in files if f.is_file() for info in (f.stat(),)]
+
+
 def read_json(path: Path) -> dict:
     """A JSON config file as a dict, or an error that names the file when it is damaged (a truncated download)."""
     try:

@@ -25,7 +25,7 @@ import functools
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import folder_paths
@@ -33,8 +33,6 @@ import folder_paths
 from .errors import ErnieImageError
 from .model_files import json_object
 
-SNAPSHOT_PREFIX = "diffusers/"  # how a snapshot folder is named among single files in a model list
-TEXT_ENCODERS_PREFIX = "text_encoders/"  # how a file or folder of models/text_encoders is named in a model list
 # The PE and the text encoder are both Ministral 3 files: under text_encoders, their names tell them apart.
 _PE_FILE = re.compile(r"(enhancer|(^|[^a-z])pe([^a-z]|$))", re.IGNORECASE)
 
@@ -104,16 +102,22 @@ def _is_ernie_snapshot(folder: Path) -> bool:
     return index is not None and index.get("_class_name") == "ErnieImagePipeline"
 
 
-def snapshot_names() -> list[str]:
-    """ERNIE-Image Hugging Face snapshots under ComfyUI's ``diffusers`` folders, as relative paths."""
+def model_folders(folder_name: str, is_model: Callable[[Path], bool]) -> list[str]:
+    """The folders under ComfyUI's ``folder_name`` folders that ``is_model`` accepts, as relative paths (``/``), and
+    nothing inside them: a model lives in a folder of its own, so a folder is not searched below one it accepts.
+    A model folder itself is no model name (a name has no '.' part)."""
     names = set()
-    for root in folder_paths.get_folder_paths("diffusers"):
-        for current, dirs, files in walk(root):
-            # The folder itself is no snapshot name: a name has no '.' part (a snapshot lives in a folder of its own).
-            if current != root and "model_index.json" in files and _is_ernie_snapshot(Path(current)):
+    for root in folder_paths.get_folder_paths(folder_name):
+        for current, dirs, _ in walk(root):
+            if current != root and is_model(Path(current)):
                 names.add(os.path.relpath(current, root).replace(os.sep, "/"))
                 dirs.clear()
     return sorted(names)
+
+
+def snapshot_names() -> list[str]:
+    """ERNIE-Image Hugging Face snapshots under ComfyUI's ``diffusers`` folders, as relative paths."""
+    return model_folders("diffusers", _is_ernie_snapshot)
 
 
 def snapshot_path(name: str) -> Path:

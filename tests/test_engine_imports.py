@@ -40,7 +40,7 @@ ENGINE = [
 # The host layer's modules that engines may use: plain torch, no core.
 PLAIN_HOST = ["host/__init__.py", "host/sizes.py"]
 COMFY_SIDE = [
-    "extension.py", "inputs.py", "paths.py", "loaders.py", "sockets.py",
+    "extension.py", "inputs.py", "paths.py", "choices.py", "loaders.py", "sockets.py",
     "accel/nodes.py", "accel/patching.py",
     "dit/build.py", "dit/model.py", "dit/nodes.py", "dit/precision.py", "dit/vae.py",
     "lora/nodes.py", "lora/patching.py",

@@ -154,7 +154,7 @@ def test_a_damaged_model_index_hides_its_folder_not_the_loaders_in_the_server(co
     model_index.json made every loader of the pack vanish from object_info."""
     info = comfy_server.object_info()
     assert set(LOADERS) <= set(info)
-    assert SNAPSHOT in _listed(info, "ErnieImageLoader")
+    assert f"diffusers/{SNAPSHOT}" in _listed(info, "ErnieImageLoader")
     assert f"diffusers/{SNAPSHOT}" in _listed(info, "ErnieImageDiTLoader")
     assert "text_encoders/ernie-image-prompt-enhancer-tiny" in _listed(info, "ErnieImagePELoader")
     listed = {*_listed(info, "ErnieImageLoader"), *_listed(info, "ErnieImagePELoader")}
@@ -173,8 +173,8 @@ def test_a_symlink_loop_under_diffusers_is_walked_once_in_the_server(comfy_serve
         info = comfy_server.object_info()
     finally:
         loop.unlink()
-    assert SNAPSHOT in _listed(info, "ErnieImageLoader")
-    assert [name for name in _listed(info, "ErnieImageLoader") if name.startswith("loop")] == []
+    assert f"diffusers/{SNAPSHOT}" in _listed(info, "ErnieImageLoader")
+    assert [name for name in _listed(info, "ErnieImageLoader") if name.startswith("diffusers/loop")] == []
 
 
 def test_loops_fifos_and_huge_indexes_cannot_stall_the_model_list(tiny_models, tmp_path, monkeypatch):

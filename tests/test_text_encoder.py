@@ -55,7 +55,7 @@ def test_loader_lists_text_encoder_files_but_not_prompt_enhancers(comfy_paths):
     from comfyui_ernie_image.nodes.text.nodes import ErnieImageTextEncoderLoader
 
     options = ErnieImageTextEncoderLoader.define_schema().inputs[0].options
-    assert "ERNIE-Image-Turbo-tiny" in options
+    assert "diffusers/ERNIE-Image-Turbo-tiny" in options
     assert "text_encoders/ministral-3-3b-tiny.safetensors" in options
     assert not [o for o in options if "enhancer" in o]
 

@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 
 from ..errors import ErnieImageError
-from ..host import ops
+from ..host import attention, ops
 from ..model_files import builds_weights
 from ..quant_layout import FP8_FORMATS, QuantLayers, fold_quantization, header_metadata, split_quantization
+from .attention import AttentionPlan
 from .model import ErnieImageDiffusionModel
 from .precision import Precision
 from .weights import read_dit
@@ -59,7 +60,8 @@ def build_diffusion_model(state_dict: dict[str, torch.Tensor], config: dict, dty
         weights, quantized = fold_quantization(weights, quantized, precision.compute), QuantLayers()
     operations, tensors, mixed_formats = _operations(weights, quantized, precision, load_device)
     with torch.device("meta"):
-        model = ErnieImageDiffusionModel(**config, dtype=precision.storage, operations=operations)
+        model = ErnieImageDiffusionModel(**config, dtype=precision.storage, operations=operations,
+                                         attention=AttentionPlan(*attention.core_attention_choice()))
     block_linear = {f"{name}.weight" for name, module in model.named_modules()
                     if isinstance(module, torch.nn.Linear) and name.startswith("layers.")}
 

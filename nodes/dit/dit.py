@@ -8,6 +8,10 @@ renaming. What differs is how it runs:
   part of the weights off the GPU and cast them per layer when used (partial loading, fp8 storage), and ComfyUI's
   LoRA patches reach each weight by its key.
 - The hidden states are batch-first ``[B, S, H]`` (diffusers runs ``[S, B, H]`` and permutes around attention).
+- Attention is PyTorch's SDPA, the reference's own, unless ComfyUI was started with an attention switch that keeps
+  the reference's results to rounding: ``--use-split-cross-attention`` and ``--use-quad-cross-attention`` run
+  core's functions, ``--use-flash-attention`` puts SDPA's FlashAttention kernel first. ``--use-sage-attention`` is
+  not followed: its 8-bit Q and K would move the images off the reference (``host.attention``; the log says so).
 - RoPE's cosines and sines are computed once per forward, not twice in every block.
 - No attention mask when every text has its full length: an all-true mask keeps SDPA off its fastest kernels.
   Text lengths are host integers, so neither the decision nor the positions wait for the GPU.
@@ -24,7 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .attention import attention_backend
+from .attention import SDPA, AttentionPlan
 
 
 def _rope_angles(positions: torch.Tensor, axes_dim: tuple[int, ...], theta: float) -> torch.Tensor:
@@ -72,9 +76,11 @@ def timestep_embedding(timestep: torch.Tensor, dim: int, max_period: float = 100
 
 
 class Attention(torch.nn.Module):
-    def __init__(self, hidden: int, heads: int, eps: float, qk_norm: bool, dtype, device, operations):
+    def __init__(self, hidden: int, heads: int, eps: float, qk_norm: bool, dtype, device, operations,
+                 plan: AttentionPlan = SDPA):
         super().__init__()
         self.heads = heads
+        self.plan = plan
         head_dim = hidden // heads
         self.to_q = operations.Linear(hidden, hidden, bias=False, dtype=dtype, device=device)
         self.to_k = operations.Linear(hidden, hidden, bias=False, dtype=dtype, device=device)
@@ -88,7 +94,7 @@ class Attention(torch.nn.Module):
         if self.norm_q is not None:
             q, k = self.norm_q(q), self.norm_k(k)
         q, k = _rotate(q, *rope), _rotate(k, *rope)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+        out = self.plan.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.to_out[0](out.transpose(1, 2).flatten(2))
 
 
@@ -108,10 +114,10 @@ class ErnieImageBlock(torch.nn.Module):
     vectors ``[B, 1, H]``."""
 
     def __init__(self, hidden: int, heads: int, ffn_hidden: int, eps: float, qk_norm: bool, dtype, device,
-                 operations):
+                 operations, plan: AttentionPlan = SDPA):
         super().__init__()
         self.adaLN_sa_ln = operations.RMSNorm(hidden, eps=eps, dtype=dtype, device=device)
-        self.self_attention = Attention(hidden, heads, eps, qk_norm, dtype, device, operations)
+        self.self_attention = Attention(hidden, heads, eps, qk_norm, dtype, device, operations, plan)
         self.adaLN_mlp_ln = operations.RMSNorm(hidden, eps=eps, dtype=dtype, device=device)
         self.mlp = FeedForward(hidden, ffn_hidden, dtype, device, operations)
 
@@ -143,16 +149,25 @@ class FinalNorm(torch.nn.Module):
 
 
 class ErnieImageDiT(torch.nn.Module):
-    """ERNIE-Image's diffusion transformer; the arguments are diffusers' config (``transformer/config.json``)."""
+    """ERNIE-Image's diffusion transformer; the arguments are diffusers' config (``transformer/config.json``), and
+    ``attention``: how it attends (``host.attention``: what ComfyUI's switches ask for, where it keeps
+    diffusers' results to rounding).
+
+    It applies no attention or block patches of a run's ``transformer_options`` (``patches``, ``patches_replace``,
+    ``optimized_attention_override``), as ComfyUI's own ERNIE-Image applies none (comfy/ldm/ernie/model.py
+    @7b30bf37 calls ``optimized_attention`` without them). The log says so once when a run carries one
+    (``attention.say_unapplied_patches``)."""
 
     _repeated_blocks = ["ErnieImageBlock"]  # cache-dit's regional quantization finds the blocks by this
 
     def __init__(self, hidden_size: int = 4096, num_attention_heads: int = 32, num_layers: int = 36,
                  ffn_hidden_size: int = 12288, in_channels: int = 128, out_channels: int = 128, patch_size: int = 1,
                  text_in_dim: int = 3072, rope_theta: float = 256, rope_axes_dim: tuple[int, int, int] = (32, 48, 48),
-                 eps: float = 1e-6, qk_layernorm: bool = True, dtype=None, device=None, operations=None, **_):
+                 eps: float = 1e-6, qk_layernorm: bool = True, dtype=None, device=None, operations=None, *,
+                 attention: AttentionPlan = SDPA, **_):  # keyword-only: not one of the config's fields
         super().__init__()
         ops = dict(dtype=dtype, device=device, operations=operations)
+        self.attention_plan = attention
         self.in_channels, self.out_channels, self.patch_size = in_channels, out_channels, patch_size
         self.hidden_size, self.text_in_dim = hidden_size, text_in_dim
         self.rope_theta, self.rope_axes_dim = rope_theta, tuple(rope_axes_dim)
@@ -165,7 +180,7 @@ class ErnieImageDiT(torch.nn.Module):
         self.adaLN_modulation = torch.nn.Sequential(
             torch.nn.SiLU(), operations.Linear(hidden_size, 6 * hidden_size, dtype=dtype, device=device))
         self.layers = torch.nn.ModuleList(
-            ErnieImageBlock(hidden_size, num_attention_heads, ffn_hidden_size, eps, qk_layernorm, **ops)
+            ErnieImageBlock(hidden_size, num_attention_heads, ffn_hidden_size, eps, qk_layernorm, **ops, plan=attention)
             for _ in range(num_layers))
         self.final_norm = FinalNorm(hidden_size, eps, **ops)
         self.final_linear = operations.Linear(hidden_size, patch_size * patch_size * out_channels, dtype=dtype,
@@ -210,7 +225,7 @@ class ErnieImageDiT(torch.nn.Module):
         # The reference hands the timestep over in the model's dtype (bf16 rounds it) and embeds it in fp32.
         conditioning = self.time_embedding(timestep_embedding(timestep.to(dtype), self.hidden_size).to(dtype))
         temb = self.adaLN_modulation(conditioning).unsqueeze(1).chunk(6, dim=-1)
-        with attention_backend(x.device):
+        with self.attention_plan.backend(x.device):
             for layer in self.layers:  # cache-dit may have swapped this list for its cached blocks for the run
                 hidden = layer(hidden, rope, temb, mask)
         hidden = self.final_norm(hidden, conditioning).type_as(hidden)

@@ -19,6 +19,7 @@ from ..errors import ErnieImageError
 from ..host.model import FLOW, BaseModel, CONDConstant, CONDRegular, Flux2LatentFormat, SupportedModel, model_patcher
 from ..host.patchers import WholeModelPatcher, dit_patcher_class, out_of_memory
 from ..host.sampling import run_diffusion_model
+from .attention import say_unapplied_patches
 from .dit import ErnieImageDiT
 from .precision import Precision
 from .schedule import DEFAULT_SHIFT
@@ -100,6 +101,7 @@ class ErnieImageDiffusionModel(ErnieImageDiT):
                 f"ERNIE-Image needs a {self.in_channels}-channel latent (Flux.2 format), got shape {tuple(x.shape)}. "
                 "Start from EmptyFlux2LatentImage, or encode images with the ERNIE-Image (Flux.2) VAE."
             )
+        say_unapplied_patches(transformer_options)
         return super().forward(x, timestep, context, text_lens)
 
 

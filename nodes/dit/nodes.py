@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from ..paths import check_choice, model_file_path, safetensors_names
+from ..choices import ModelList, files
 from .schedule import DEFAULT_SHIFT, reference_sigmas
 from .vae import load_vae
+
+# Before the one grammar (``choices``), the VAE loader listed a file bare.
+VAE_MODELS = ModelList((files("vae"),), legacy="vae")
 
 
 class ErnieImageScheduler(io.ComfyNode):
@@ -42,17 +45,17 @@ class ErnieImageVAELoader(io.ComfyNode):
             category="ERNIE-Image/loaders",
             description="Loads the Flux.2 VAE file (flux2-vae.safetensors) for ERNIE-Image latents with the trained "
             "batch-norm epsilon, so it decodes exactly as diffusers does (core's VAE Loader assumes 1e-4).",
-            inputs=[io.Combo.Input("vae_name", options=safetensors_names("vae"), tooltip="A file in models/vae.")],
+            inputs=[VAE_MODELS.input("vae_name", tooltip="A file in models/vae, listed as vae/<file>.")],
             outputs=[io.Vae.Output()],
         )
 
     @classmethod
     def validate_inputs(cls, vae_name: str) -> bool | str:
-        return check_choice(vae_name, safetensors_names("vae"), "vae")
+        return VAE_MODELS.check(vae_name)
 
     @classmethod
     def execute(cls, vae_name: str) -> io.NodeOutput:
-        return io.NodeOutput(load_vae(model_file_path("vae", vae_name)))
+        return io.NodeOutput(load_vae(VAE_MODELS.resolve(vae_name).path))
 
 
 DIT_NODES = [ErnieImageScheduler, ErnieImageVAELoader]

@@ -11,5 +11,6 @@ versions are never parsed, only features looked up (``hasattr``, signatures).
 - ``ops``: which ``comfy.ops`` layers hold the DiT's weights, quantized file layouts included;
 - ``model``: the core base classes the DiT's MODEL is made of (``model_base.ErnieImage`` where it exists), and
   the DiT's blocks inside a MODEL;
+- ``attention``: which of core's attention switches the DiT follows;
 - ``vae``, ``lora``: core's VAE and LoRA machinery.
 """

@@ -1,25 +1,16 @@
 """Where local Prompt Enhancers are in ComfyUI's model folders (ComfyUI adapter: ``folder_paths``).
 
-Names obey ``paths``' rule (plain relative names, inside the model folder) and the walks visit each real folder once
-(``paths.walk``)."""
+Listed and resolved in the pack's one model grammar (``choices``); names obey ``paths``' rule (plain relative names,
+inside the model folder) and the walks visit each real folder once (``paths.walk``)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import folder_paths
 
-from ..paths import (
-    SNAPSHOT_PREFIX,
-    TEXT_ENCODERS_PREFIX,
-    inside,
-    is_prompt_enhancer_file,
-    read_small_json,
-    snapshot_names,
-    snapshot_path,
-    walk,
-)
+from ..choices import SNAPSHOTS, ModelList, Source
+from ..paths import inside, is_prompt_enhancer_file, model_folders, read_small_json, snapshot_names, snapshot_path
 from .protocol import EnhancerError
 
 
@@ -33,28 +24,31 @@ def _is_pe_folder(folder: Path) -> bool:
 
 
 def _text_encoder_pe_names() -> list[str]:
-    names = {n for n in folder_paths.get_filename_list("text_encoders")
+    files = {n for n in folder_paths.get_filename_list("text_encoders")
              if n.endswith(".safetensors") and is_prompt_enhancer_file(n)}
+    return sorted(files.union(model_folders("text_encoders", _is_pe_folder)))
+
+
+def _text_encoder_pe_path(name: str) -> Path:
     for root in folder_paths.get_folder_paths("text_encoders"):
-        for current, dirs, _ in walk(root):
-            if _is_pe_folder(Path(current)) and Path(current) != Path(root):
-                names.add(os.path.relpath(current, root).replace(os.sep, "/"))
-                dirs.clear()
-    return sorted(names)
+        if (path := inside(root, name, "text_encoders")).exists():
+            return path
+    raise EnhancerError(f"'text_encoders/{name}' was not found under ComfyUI's models/text_encoders or "
+                        "models/diffusers")
+
+
+# Snapshots with a pe/, then PE folders or files under text_encoders: both were always listed with their folder.
+PE_MODELS = ModelList((
+    Source(SNAPSHOTS.folder, lambda: [n for n in snapshot_names() if _is_pe_folder(snapshot_path(n))], snapshot_path),
+    Source("text_encoders", _text_encoder_pe_names, _text_encoder_pe_path),
+))
 
 
 def pe_choices() -> list[str]:
     """Snapshots with a ``pe/`` (``diffusers/<name>``) and PE folders or files under ``text_encoders``."""
-    snapshots = [SNAPSHOT_PREFIX + n for n in snapshot_names() if _is_pe_folder(snapshot_path(n))]
-    return snapshots + [TEXT_ENCODERS_PREFIX + n for n in _text_encoder_pe_names()]
+    return PE_MODELS.options()
 
 
 def pe_path(name: str) -> Path:
     """The folder or file of a ``pe_choices`` value."""
-    if name.startswith(SNAPSHOT_PREFIX):
-        return snapshot_path(name[len(SNAPSHOT_PREFIX):])
-    relative = name.removeprefix(TEXT_ENCODERS_PREFIX)
-    for root in folder_paths.get_folder_paths("text_encoders"):
-        if (path := inside(root, relative, "text_encoders")).exists():
-            return path
-    raise EnhancerError(f"'{name}' was not found under ComfyUI's models/text_encoders or models/diffusers")
+    return PE_MODELS.resolve(name).path

@@ -14,12 +14,11 @@ import folder_paths
 from comfy_api.v0_0_2 import io, ui
 
 from ..host.memory import device_options
-from ..paths import check_choice
 from ..sockets import ErniePEType
 from .cache import CACHE_MODES, ResultCache, enhance_cached
 from .comfy_runtime import ComfyRuntime
 from .local.enhancer import DTYPES, LocalPromptEnhancer
-from .locate import pe_choices, pe_path
+from .locate import PE_MODELS, pe_path
 from .protocol import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_TEMPERATURE,
@@ -41,9 +40,8 @@ class ErnieImagePELoader(io.ComfyNode):
             description="The local Prompt Enhancer (a 3B Ministral 3 LM). Weights load on first use and are managed "
             "like any ComfyUI model (offloaded when memory is needed, unloaded by Free memory).",
             inputs=[
-                io.Combo.Input("model_name", options=pe_choices(),
-                               tooltip="diffusers/<snapshot> (its pe/ and pe_tokenizer/), or a PE folder or "
-                               "ernie-image-prompt-enhancer.safetensors under models/text_encoders."),
+                PE_MODELS.input("model_name", tooltip="diffusers/<snapshot> (its pe/ and pe_tokenizer/), or a PE "
+                                "folder or ernie-image-prompt-enhancer.safetensors under models/text_encoders."),
                 io.Combo.Input("device", options=device_options(), default="default",
                                tooltip="default: ComfyUI's GPU. Another GPU keeps the PE beside the DiT."),
                 io.Combo.Input("dtype", options=["auto", *DTYPES], default="auto",
@@ -55,7 +53,7 @@ class ErnieImagePELoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, model_name: str) -> bool | str:
-        return check_choice(model_name, pe_choices(), "text_encoders")
+        return PE_MODELS.check(model_name)
 
     @classmethod
     def execute(cls, model_name: str, device: str = "default", dtype: str = "auto") -> io.NodeOutput:

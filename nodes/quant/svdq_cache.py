@@ -22,6 +22,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from ..errors import ErnieImageError
+from ..model_files import file_stamps
 
 FORMAT = 1  # of this folder layout and record
 RECORD = "ernie_image_entry.json"
@@ -39,11 +40,7 @@ def weight_files(source: Path) -> list[Path]:
 
 def source_identity(source: Path) -> dict:
     """The source's absolute path and each weight file's name, size and modification time (ns)."""
-    files = []
-    for f in weight_files(source):
-        stat = f.stat()
-        files.append([f.name, stat.st_size, stat.st_mtime_ns])
-    return {"path": str(source.resolve()), "files": files}
+    return {"path": str(source.resolve()), "files": file_stamps(weight_files(source), name=lambda f: f.name)}
 
 
 def _read_record(path: Path) -> dict | None:

@@ -4,16 +4,9 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
+from ..choices import SNAPSHOTS, ModelList, files
 from ..host.memory import device_options
-from ..paths import (
-    TEXT_ENCODERS_PREFIX,
-    check_choice,
-    is_prompt_enhancer_file,
-    model_file_path,
-    safetensors_names,
-    snapshot_names,
-    snapshot_path,
-)
+from ..paths import is_prompt_enhancer_file, model_file_path
 from ..sockets import ErnieTextEncoderType
 from .managed import ManagedTextEncoder
 
@@ -23,10 +16,12 @@ def _is_single_file(name: str) -> bool:
     return not (model_file_path("text_encoders", name).parent / "config.json").is_file()
 
 
-def _text_encoder_choices() -> list[str]:
-    """Snapshot folders, then the single-file text encoders of models/text_encoders (PEs are listed elsewhere)."""
-    files = [n for n in safetensors_names("text_encoders") if not is_prompt_enhancer_file(n) and _is_single_file(n)]
-    return snapshot_names() + [TEXT_ENCODERS_PREFIX + n for n in files]
+# Snapshot folders, then the single-file text encoders of models/text_encoders (PEs are listed elsewhere). Before the
+# one grammar (``choices``), a snapshot was listed bare.
+TEXT_ENCODER_MODELS = ModelList(
+    (SNAPSHOTS, files("text_encoders", lambda n: not is_prompt_enhancer_file(n) and _is_single_file(n))),
+    legacy="diffusers",
+)
 
 
 def text_encoder_device_input(name: str) -> io.Combo.Input:
@@ -46,8 +41,8 @@ class ErnieImageTextEncoderLoader(io.ComfyNode):
             description="Loads ERNIE-Image's Mistral3 text encoder and tokenizer: from a snapshot folder, or from "
             "ComfyUI's repack ministral-3-3b.safetensors (tokenizer inside) in models/text_encoders.",
             inputs=[
-                io.Combo.Input("model_name", options=_text_encoder_choices(),
-                               tooltip="A snapshot folder under models/diffusers, or text_encoders/<file>."),
+                TEXT_ENCODER_MODELS.input("model_name", tooltip="diffusers/<snapshot folder>, or "
+                                          "text_encoders/<file>."),
                 text_encoder_device_input("device"),
             ],
             outputs=[ErnieTextEncoderType.Output(display_name="TEXT_ENCODER")],
@@ -55,14 +50,14 @@ class ErnieImageTextEncoderLoader(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, model_name: str) -> bool | str:
-        return check_choice(model_name, _text_encoder_choices(), "diffusers or models/text_encoders")
+        return TEXT_ENCODER_MODELS.check(model_name)
 
     @classmethod
     def execute(cls, model_name: str, device: str = "default") -> io.NodeOutput:
-        if model_name.startswith(TEXT_ENCODERS_PREFIX):
-            path = model_file_path("text_encoders", model_name[len(TEXT_ENCODERS_PREFIX):])
-            return io.NodeOutput(ManagedTextEncoder.from_single_file(path, device))
-        return io.NodeOutput(ManagedTextEncoder.from_snapshot(snapshot_path(model_name), device))
+        model = TEXT_ENCODER_MODELS.resolve(model_name)
+        if model.folder == SNAPSHOTS.folder:
+            return io.NodeOutput(ManagedTextEncoder.from_snapshot(model.path, device))
+        return io.NodeOutput(ManagedTextEncoder.from_single_file(model.path, device))
 
 
 class ErnieImageTextEncode(io.ComfyNode):

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ...ministral_file import load_ministral_folder, read_config, read_ministral_file
-from ...model_files import read_json
+from ...model_files import file_stamps, read_json
 from ..protocol import EnhancerError
 
 BAIDU_CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
@@ -43,8 +43,7 @@ class PESource:
         files = [self.weights] if self.weights.is_file() else sorted(self.weights.iterdir())
         if self.tokenizer is not None:
             files += [self.tokenizer / name for name in _TOKENIZER_FILES]
-        stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
-        digest = hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:16]
+        digest = hashlib.sha256(json.dumps(file_stamps(files)).encode()).hexdigest()[:16]
         return f"{self.weights.resolve()}#{digest}"
 
     def load(self, dtype: torch.dtype):
