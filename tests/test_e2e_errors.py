@@ -44,9 +44,9 @@ def test_missing_snapshot_folder_is_a_validation_error(comfy_server):
     _good_prompt_still_runs(comfy_server)
 
 
-def test_truncated_safetensors_names_the_file(comfy_server, tiny_models):
+def test_truncated_safetensors_names_the_file(comfy_server, tiny_models, placed):
     source = tiny_models["single_file"]
-    broken = source.parent / "ernie-truncated.safetensors"
+    broken = placed(source.parent.name, "ernie-truncated.safetensors")
     broken.write_bytes(source.read_bytes()[: source.stat().st_size // 2])
     message = _execution_error(comfy_server, _dit_graph(broken.name))
     assert "ernie-truncated.safetensors" in message
@@ -54,9 +54,9 @@ def test_truncated_safetensors_names_the_file(comfy_server, tiny_models):
     _good_prompt_still_runs(comfy_server)
 
 
-def test_file_of_another_architecture_is_refused(comfy_server, tiny_models):
+def test_file_of_another_architecture_is_refused(comfy_server, tiny_models, placed):
     vae = tiny_models["snapshot"] / "vae" / "diffusion_pytorch_model.safetensors"
-    wrong = tiny_models["models_dir"] / "diffusion_models" / "flux2-vae.safetensors"
+    wrong = placed("diffusion_models", "flux2-vae.safetensors")
     linked_copy(vae, wrong)
     message = _execution_error(comfy_server, _dit_graph(wrong.name))
     assert "flux2-vae.safetensors is not an ERNIE-Image diffusion model" in message
@@ -64,8 +64,8 @@ def test_file_of_another_architecture_is_refused(comfy_server, tiny_models):
     _good_prompt_still_runs(comfy_server)
 
 
-def test_snapshot_without_transformer_says_so(comfy_server, tiny_models):
-    broken = tiny_models["models_dir"] / "diffusers" / "ERNIE-Image-no-transformer"
+def test_snapshot_without_transformer_says_so(comfy_server, tiny_models, placed):
+    broken = placed("diffusers", "ERNIE-Image-no-transformer")
     linked_copy(tiny_models["snapshot"], broken, ignore=shutil.ignore_patterns("transformer"))
     graph = text_to_image(snapshot=broken.name, prompt="a cat", steps=1)
     message = _execution_error(comfy_server, graph)
@@ -73,7 +73,7 @@ def test_snapshot_without_transformer_says_so(comfy_server, tiny_models):
     _good_prompt_still_runs(comfy_server)
 
 
-def test_text_encoder_of_another_model_is_named_as_the_cause(comfy_server, tiny_models):
+def test_text_encoder_of_another_model_is_named_as_the_cause(comfy_server, tiny_models, placed):
     """A Ministral-layout file of another width (as Flux.2's Mistral text encoder is) loads and encodes; sampling
     then says that the text encoder is the wrong model, not that the wiring is."""
     from transformers import Ministral3ForCausalLM
@@ -84,7 +84,7 @@ def test_text_encoder_of_another_model_is_named_as_the_cause(comfy_server, tiny_
     wider = Ministral3ForCausalLM(_ministral3_config(source["model.embed_tokens.weight"].shape[0], 48))
     state = {k: v.contiguous() for k, v in wider.state_dict().items() if k != "lm_head.weight"}
     save_file({**state, "tekken_model": source["tekken_model"]},
-              str(tiny_models["models_dir"] / "text_encoders" / "mistral_3_small_flux2_bf16.safetensors"))
+              str(placed("text_encoders", "mistral_3_small_flux2_bf16.safetensors")))
     graph = text_to_image(snapshot=SNAPSHOT, prompt="a cat", steps=1, seed=78)
     graph["te"] = {"class_type": "ErnieImageTextEncoderLoader",
                    "inputs": {"model_name": "text_encoders/mistral_3_small_flux2_bf16.safetensors"}}
