@@ -471,6 +471,7 @@ def main() -> None:
     parser.add_argument("--pe-tokens", type=int, default=64)
     parser.add_argument("--size", type=int, help="image size instead of the workflows' own")
     parser.add_argument("--base-steps", type=int, help="at most this many sampling steps")
+    parser.add_argument("--warm-runs", type=int, default=1, help="warm runs per workflow (each a new prompt)")
     options = parser.parse_args()
     core = detect_core(options.comfyui) if options.core == "auto" else options.core
     if core == "fork":  # the fork sets up logging itself (main_pre), to stderr
@@ -497,14 +498,15 @@ def main() -> None:
     for path in map(Path, options.workflows.split(",")):
         graph = json.loads(path.read_text())
         turbo = graph if path.stem == "ernie_image_turbo" else turbo
-        for run, label in enumerate(("first", "warm")):
+        labels = ["first", "warm", *(f"warm {n}" for n in range(2, options.warm_runs + 1))]
+        for run, label in enumerate(labels):
             record(path.stem, label, run_prompt(execution, executor, variant(
                 graph, run, options.pe_tokens, options.size, options.base_steps), nvml))
         if path.stem == "ernie_image_pe_local":
             record(path.stem, "/free", dict(ok=True, **free(executor, nvml)))
             if turbo is not None:
                 record("ernie_image_turbo", "after /free", run_prompt(execution, executor, variant(
-                    turbo, 2, options.pe_tokens, options.size, options.base_steps), nvml))
+                    turbo, len(labels), options.pe_tokens, options.size, options.base_steps), nvml))
 
 
 if __name__ == "__main__":

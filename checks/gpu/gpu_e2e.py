@@ -6,6 +6,7 @@
     python checks/gpu/gpu_e2e.py --tier full --parallel 2  # two modes at once (each its own ComfyUI process)
     python checks/gpu/gpu_e2e.py --tiny --cpu              # tiny models on the CPU (CI runs three workflows so)
     python checks/gpu/gpu_e2e.py --core fork               # on the 0.12.1 fork (.gpu-fork/src), dynamic VRAM on
+    python checks/gpu/gpu_e2e.py --warm-runs 3 --pack ../old   # median of 3 warm runs; another checkout's pack
 
 Writes true-size random-weight models in the real layouts once (``e2e_models.py``; about 37 GB under ``--work``),
 then runs one ComfyUI process per mode (``e2e_worker.py``), each running the API twins of ``tests/workflows/`` that
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -36,7 +38,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-TWINS = REPO / "tests" / "workflows"
 # Turbo first (run again after /free), the PE before the FP8 workflow: the order a user might meet them in.
 WORKFLOWS = ("ernie_image_turbo", "ernie_image_turbo_single_files", "ernie_image_pe_local", "ernie_image_low_vram",
              "ernie_image_base", "ernie_image_cache_compile", "ernie_image_turbo_lora")
@@ -68,11 +69,11 @@ def prepare(work: Path, true_size: bool) -> Path:
     return models
 
 
-def base_directory(work: Path, mode: str, models: Path) -> Path:
+def base_directory(work: Path, mode: str, models: Path, pack: Path) -> Path:
     """A fresh ComfyUI base directory per mode (its own PE cache), the pack under another folder name."""
     base = work / f"base-{mode}-{int(time.time())}"
     (base / "custom_nodes").mkdir(parents=True)
-    (base / "custom_nodes" / "comfyui-ernie-image").symlink_to(REPO, target_is_directory=True)
+    (base / "custom_nodes" / "comfyui-ernie-image").symlink_to(pack, target_is_directory=True)
     (base / "models").symlink_to(models, target_is_directory=True)
     return base
 
@@ -92,13 +93,13 @@ def _run_worker(mode: str, args, models: Path, log, deadline: float) -> list[dic
     flags, card = MODES[mode]
     results = args.out / f"runs-{mode}.jsonl"
     results.unlink(missing_ok=True)
-    base = base_directory(args.work, mode, models)
+    base = base_directory(args.work, mode, models, args.pack)
     if args.core == "fork" and args.dynamic_vram == "on":
         flags = (flags + " --fast dynamic_vram").strip()  # the fork's switch for dynamic VRAM (comfy-aimdo)
     command = [sys.executable, str(REPO / "checks" / "gpu" / "e2e_worker.py"), "--comfyui", str(args.comfyui),
                "--core", args.core, "--base", str(base), "--flags=" + flags + (" --cpu" if args.cpu else ""),
-               "--workflows", ",".join(str(TWINS / f"{w}.json") for w in args.workflows), "--json", str(results),
-               "--pe-tokens", str(args.pe_tokens)]
+               "--workflows", ",".join(str(args.pack / "tests" / "workflows" / f"{w}.json") for w in args.workflows),
+               "--json", str(results), "--pe-tokens", str(args.pe_tokens), "--warm-runs", str(args.warm_runs)]
     command += ["--card-gib", str(card)] if card else []
     command += ["--size", "256"] if args.tiny else []
     command += ["--base-steps", str(args.base_steps)] if args.base_steps else []
@@ -181,6 +182,9 @@ def table(rows: list[dict], core: str = "0.3.75") -> str:
                 f"{state.get('allocated_gib', '-')} / {state.get('reserved_gib', '-')} GiB" for state in
                 (held["before"], held["after"]))
         seconds = {run: f"{r['seconds']:.1f}" if r.get("seconds") else "-" for run, r in by_run.items()}
+        warm = [r["seconds"] for run, r in by_run.items() if run.startswith("warm") and r.get("seconds")]
+        if len(warm) > 1:  # --warm-runs: the median, and each run's time
+            seconds["warm"] = f"{statistics.median(warm):.2f} (median of {' '.join(f'{w:.2f}' for w in warm)})"
         notes = [n.replace("|", "/")[:200] for n in sorted({note for r in runs for note in r.get("notes", [])})]
         if _loads(runs):
             notes.insert(0, _loads(runs)[:400])
@@ -214,6 +218,9 @@ def main() -> None:
     parser.add_argument("--base-steps", type=int, help="cap the Base workflows' 50 steps (said in the table)")
     parser.add_argument("--deadline-s", type=float, default=560.0, help="stop starting modes after this")
     parser.add_argument("--parallel", type=int, default=1, help="modes run at once (their times then overlap)")
+    parser.add_argument("--warm-runs", type=int, default=1, help="warm runs per workflow; the table gives the median")
+    parser.add_argument("--pack", type=Path, default=REPO, help="the pack to install, and its tests/workflows twins "
+                        "(another checkout: the same check on older code, e.g. to compare times)")
     args = parser.parse_args()
     if args.comfyui is None:
         fork = args.core == "fork"
@@ -222,6 +229,7 @@ def main() -> None:
                             None)
         if args.comfyui is None:
             parser.error(f"no core found in {', '.join(map(str, candidates))}: pass --comfyui")
+    args.pack = args.pack.resolve()
     if args.core == "auto":
         args.core = "fork" if (args.comfyui / "comfy" / "cmd" / "main_pre.py").is_file() else "0.3.75"
     args.workflows = args.workflows.split(",")
