@@ -21,7 +21,7 @@ from ..quant_layout import SCALED_MARKER, QuantLayers, fold_quantization, header
 # Where single files put the DiT's released keys: bare (the ComfyUI repack) or under ComfyUI's checkpoint prefixes
 # (``dit/weights.py`` reads the same three).
 _FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")
-MARKER = "layers.0.adaLN_sa_ln.weight"  # a key of every ERNIE-Image DiT, as ``dit/weights.py`` finds the prefix by
+_MARKER = "layers.0.adaLN_sa_ln.weight"  # a key of every ERNIE-Image DiT, as ``dit/weights.py`` finds the prefix by
 
 
 def _weights_folder(path: Path) -> Path | None:
@@ -54,7 +54,7 @@ class Requantizer:
         folder = _weights_folder(self.source)
         if folder is None:
             header = read_header(self.source)
-            prefix = next(p for p in _FILE_PREFIXES if p + MARKER in header)
+            prefix = next(p for p in _FILE_PREFIXES if p + _MARKER in header)
             where = {name[len(prefix):]: (self.source, name) for name in header if name.startswith(prefix)}
         else:
             header, files = read_folder_headers(folder)
@@ -77,8 +77,8 @@ class Requantizer:
         return weights[key].to(self.dtype)
 
     def quantized(self, weight: torch.Tensor) -> torch.nn.Parameter:
-        """``weight`` (``[out, in]``, in ``dtype``) quantized with the DiT's method, where it is: the parameter to put
-        in place of the layer's weight."""
+        """``weight`` (``[out, in]``) in ``dtype``, quantized with the DiT's method on the device it is on: the
+        parameter to put in place of the layer's weight."""
         from cache_dit.quantization.torchao.quantize_ao import _get_torchao_config, _patch_torchao_zero_row_scale
         from torchao.quantization import quantize_
 
