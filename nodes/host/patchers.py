@@ -19,11 +19,16 @@ Every override here takes and passes on keyword arguments it does not know: core
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
+import logging
 import os
+import time
 
+import comfy.lora
 import comfy.model_patcher
+import comfy.utils
 import torch
 from comfy.patcher_extension import CallbacksMP
 
@@ -118,12 +123,26 @@ def _outside_inference_mode(patcher_class: type) -> type:
     return type(patcher_class.__name__, (OutsideInferenceMode, patcher_class), {})
 
 
+_Backup = collections.namedtuple("Dimension", ["weight", "inplace_update"])  # core's backup record, as it makes them
+
+
 class WholeModelPatcher(OutsideInferenceMode, ModelPatcher):
-    """A ModelPatcher that never loads or unloads its model in part, and knows the true size of quantized weights."""
+    """A ModelPatcher that never loads or unloads its model in part, and knows the true size of quantized weights.
+
+    LoRAs: a torchao-quantized DiT carries a ``requantizer`` (``quant/requantize.py``). Core's patching adds a
+    LoRA to a float copy of each weight, which torchao's weights cannot give; for those layers the original weight is
+    read from the DiT's file, core merges the patches into it (``calculate_weight``: LoRA, DoRA, LoHa, LoKr as core
+    reads them), and the result is quantized again with the same method. Core's backup keeps the quantized weight
+    (on the offload device, as core keeps its backups), so unloading or a changed LoRA stack restores it exactly.
+    Everything else (the text encoder, the PE, an SVDQuant DiT) refuses patches."""
+
+    def _requantizer(self):
+        return getattr(getattr(self.model, "diffusion_model", None), "requantizer", None)
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
+        self.requantize_seconds: list[float] = []  # one per layer made again in this load
         try:
-            return super().load(device_to, lowvram_model_memory, force_patch_weights, full_load=True, **kwargs)
+            loaded = super().load(device_to, lowvram_model_memory, force_patch_weights, full_load=True, **kwargs)
         except torch.OutOfMemoryError as error:
             raise out_of_memory(
                 error, f"{type(self.model).__name__} needs {self.model_size() / 2**30:.1f} GiB on "
@@ -132,16 +151,35 @@ class WholeModelPatcher(OutsideInferenceMode, ModelPatcher):
                 "text encoder on another device (their loaders' device input), or close other programs that use "
                 "the GPU."
             ) from error
+        if self.requantize_seconds:
+            logging.info("ERNIE-Image: merged LoRA patches into %d quantized layers (re-quantized in %.1f s)",
+                         len(self.requantize_seconds), sum(self.requantize_seconds))
+        return loaded
 
     def add_patches(self, patches, strength_patch=1.0, strength_model=1.0, **kwargs):
         # Core's LoRA loaders end here too: refuse before a load fails deep inside the patching.
-        if patches:
+        if patches and self._requantizer() is None:
             raise ErnieImageError(
-                f"{type(self.model).__name__} cannot take LoRA patches: its weights are quantized (torchao or "
-                "SVDQuant) or a transformers model's, which ComfyUI's patching cannot change. For a LoRA on the DiT, "
-                "load it with quantization none (weight_dtype fp8_e4m3fn halves its memory and takes LoRAs)."
+                f"{type(self.model).__name__} cannot take LoRA patches: its weights are quantized with SVDQuant or "
+                "are a transformers model's, which ComfyUI's patching cannot change. For a LoRA on the DiT, quantize "
+                "it with fp8_per_row or int8_weight_only (the LoRA is merged before quantizing), or load it with "
+                "quantization none (weight_dtype fp8_e4m3fn halves its memory and takes LoRAs)."
             )
         return super().add_patches(patches, strength_patch, strength_model, **kwargs)
+
+    def patch_weight_to_device(self, key, device_to=None, inplace_update=False, **kwargs):
+        requantizer = self._requantizer()
+        weight = comfy.utils.get_attr(self.model, key) if key in self.patches else None
+        if requantizer is None or weight is None or not requantizer.holds(weight):
+            return super().patch_weight_to_device(key, device_to, inplace_update, **kwargs)
+        start = time.perf_counter()
+        if key not in self.backup:
+            self.backup[key] = _Backup(weight.to(self.offload_device), False)
+        original = requantizer.original(key.removeprefix("diffusion_model."))
+        merged = comfy.lora.calculate_weight(self.patches[key], original.to(device_to or weight.device, torch.float32),
+                                             key)
+        comfy.utils.set_attr_param(self.model, key, requantizer.quantized(merged))
+        getattr(self, "requantize_seconds", []).append(time.perf_counter() - start)
 
     def partially_unload(self, *args, **kwargs) -> int:
         return 0  # frees nothing: ComfyUI then unloads the whole model

@@ -52,8 +52,9 @@ class LoraReport:
 
 
 def apply_lora(model, lora: dict[str, torch.Tensor], strength: float, name: str) -> tuple[object, LoraReport]:
-    """A clone of ``model`` with ``lora`` patched in at ``strength``, and what was applied. A quantized DiT refuses
-    the patches (``host.patchers.WholeModelPatcher.add_patches``); a file with NaN or infinite values is refused."""
+    """A clone of ``model`` with ``lora`` patched in at ``strength``, and what was applied. A torchao DiT takes them
+    (each patched layer quantized again when it loads), an SVDQuant DiT refuses them
+    (``host.patchers.WholeModelPatcher``); a file with NaN or infinite values is refused."""
     diffusion_model, _ = dit_blocks(model)  # a clear error for a MODEL that is not an ERNIE-Image DiT
     bad = first_non_finite(lora)
     if bad is not None:

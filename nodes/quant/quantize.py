@@ -7,6 +7,9 @@
 
 Only the linear layers of the 36 transformer blocks are quantized: the embeddings, the shared modulation and the
 final layers keep the weights' dtype, as cache-dit's regional quantization does by default.
+
+A torchao DiT takes LoRAs: each patched layer is quantized again from the file's weights with the LoRA merged
+(``requantize``); an SVDQuant DiT does not (its layers are a low-rank branch beside 4-bit weights, made in minutes).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from safetensors import SafetensorError
 
 from ..model_files import builds_weights
 from .capability import METHODS, probe, require
+from .requantize import Requantizer
 from .svdq_cache import SVDQCache
 
 _HEADROOM = 2 * 2**30  # GPU memory left for quantizing one layer beside the whole bf16 DiT
@@ -52,7 +56,10 @@ def load_quantized_dit(
     if spec.backend == "torchao":
         transformer = load()
         on = quantization_device(transformer, device, free_memory) if spec.whole_on_gpu_if_it_fits else device
-        return quantize_torchao(transformer, spec.quant_type, on)
+        quantize_torchao(transformer, spec.quant_type, on)
+        # How a LoRA's patched layers are made again (host/patchers.py): from the file, as these were.
+        transformer.requantizer = Requantizer(source, spec.quant_type, dtype)
+        return transformer
     return load_or_build_svdq(load, spec.quant_type, source=source, device=device, cache=SVDQCache(cache_root))
 
 
