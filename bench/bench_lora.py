@@ -102,6 +102,7 @@ def torchao_refusal(state: dict, config: dict, lora_path: Path, device: torch.de
 
     from comfyui_ernie_image.nodes.dit.build import build_diffusion_model
     from comfyui_ernie_image.nodes.dit.model import make_model_patcher
+    from comfyui_ernie_image.nodes.dit.weights import tensor_locations
     from comfyui_ernie_image.nodes.errors import ErnieImageError
     from comfyui_ernie_image.nodes.host.memory import usable_memory
     from comfyui_ernie_image.nodes.lora.patching import apply_lora
@@ -111,7 +112,8 @@ def torchao_refusal(state: dict, config: dict, lora_path: Path, device: torch.de
     note = "quantized fp8_per_row by the loader's path"
     try:
         with tempfile.TemporaryDirectory() as cache:
-            dit = load_quantized_dit(lambda: dit, "fp8_per_row", source=Path("random"), dtype=torch.bfloat16,
+            dit = load_quantized_dit(lambda: dit, "fp8_per_row", source=Path("random"), locate=tensor_locations,
+                                     dtype=torch.bfloat16,
                                      device=device, free_memory=usable_memory, cache_root=Path(cache))
     except Exception as error:  # a benchmark reports what it can: the refusal below is the whole patcher's
         note = f"not quantized here ({type(error).__name__}: {error}); the bf16 DiT in the loader's quantized MODEL"

@@ -16,6 +16,7 @@ from .dit.model import make_model_patcher
 from .dit.precision import WEIGHT_DTYPES, asked_dtypes
 from .dit.schedule import DEFAULT_SHIFT, snapshot_shift
 from .dit.vae import load_snapshot_vae
+from .dit.weights import tensor_locations
 from .host.memory import fits_whole, torch_device, usable_memory
 from .host.sizes import module_bytes
 from .pe.nodes import snapshot_pe
@@ -42,6 +43,7 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, 
         lambda: load_dit(path, dtype, storage, load_device=device),
         quantization,
         source=path,
+        locate=tensor_locations,
         dtype=dtype,
         device=device,
         free_memory=usable_memory,

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from comfyui_ernie_image.nodes.dit.build import load_dit
 from comfyui_ernie_image.nodes.dit.model import make_model_patcher
+from comfyui_ernie_image.nodes.dit.weights import tensor_locations
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.lora.patching import apply_lora
 from comfyui_ernie_image.nodes.quant import quantize
@@ -48,7 +49,7 @@ def quantized_dit(source, quant_type: str, merge: dict[str, torch.Tensor] | None
     """The DiT at ``source`` in bf16, its block linear layers quantized with ``quant_type`` as the loader does,
     after adding ``merge``'s deltas (layer → delta, in fp32) to their weights."""
     dit = load_dit(source, DTYPE)
-    requantizer = Requantizer(source, quant_type, DTYPE)
+    requantizer = Requantizer(source, quant_type, DTYPE, tensor_locations)
     for name, linear in block_linears(dit).items():
         weight = linear.weight.float() + (merge or {}).get(name, 0)
         linear.weight = requantizer.quantized(weight)
@@ -166,7 +167,7 @@ def test_a_layers_original_weight_is_what_the_loader_quantized(tiny_models, tmp_
             weights, metadata = header_fp8(weights)
         save_file(weights, source, metadata=metadata)
     loaded = dict(load_dit(source, DTYPE, DTYPE).named_parameters())  # as a quantizing loader asks (asked_dtypes)
-    requantizer = Requantizer(source, "int8_weight_only", DTYPE)
+    requantizer = Requantizer(source, "int8_weight_only", DTYPE, tensor_locations)
     for key in ("layers.0.self_attention.to_q.weight", "layers.9.mlp.linear_fc2.weight"):
         assert torch.equal(requantizer.original(key), loaded[key])
 
@@ -179,13 +180,15 @@ def test_the_loader_records_how_to_quantize_again(tiny_models, monkeypatch):
 
     def per_layer(transformer, quant_type, on):
         for linear in block_linears(transformer).values():
-            linear.weight = Requantizer(tiny_models["snapshot"], quant_type, DTYPE).quantized(linear.weight)
+            requantizer = Requantizer(tiny_models["snapshot"], quant_type, DTYPE, tensor_locations)
+            linear.weight = requantizer.quantized(linear.weight)
 
     monkeypatch.setattr(quantize, "quantize_torchao", per_layer)
     dit = quantize.load_quantized_dit(lambda: load_dit(tiny_models["snapshot"], DTYPE), "int8_weight_only",
-                                      source=tiny_models["snapshot"], dtype=DTYPE, device=torch.device("cpu"),
+                                      source=tiny_models["snapshot"], locate=tensor_locations, dtype=DTYPE,
+                                      device=torch.device("cpu"),
                                       free_memory=lambda device: 0, cache_root=tiny_models["models_dir"])
-    assert dit.requantizer == Requantizer(tiny_models["snapshot"], "int8_weight_only", DTYPE)
+    assert dit.requantizer == Requantizer(tiny_models["snapshot"], "int8_weight_only", DTYPE, tensor_locations)
 
 
 def test_an_svdquant_dit_still_refuses_loras(plain):

@@ -248,6 +248,19 @@ def read_transformer_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict
     return read_tensors(where, header), config
 
 
+def tensor_locations(path: Path) -> tuple[dict[str, tuple[Path, str]], dict]:
+    """Where each released key of the DiT that ``read_dit`` read from ``path`` lies (its file, its name there), and
+    the header metadata (an fp8 file's quantization layout may be there): from the headers alone. For code that
+    reads a few of its tensors again (LoRAs on a quantized DiT: ``quant/requantize.py``)."""
+    if path.is_dir():
+        folder = path / "transformer" if (path / "model_index.json").is_file() else path
+        header, files = read_folder_headers(folder)
+        return {name: (files[name], name) for name in header}, header_metadata(folder)
+    header = read_header(path)
+    prefix = _prefix(header)
+    return {k[len(prefix):]: (path, k) for k in header if k.startswith(prefix)}, header_metadata(path)
+
+
 def read_dit(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """The DiT's tensors (released keys) and architecture from a snapshot folder, its ``transformer/`` folder, or a
     single safetensors file."""

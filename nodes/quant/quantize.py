@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 
 from ..model_files import builds_weights
 from .capability import METHODS, probe, require
-from .requantize import Requantizer
+from .requantize import Locations, Requantizer
 from .svdq_cache import SVDQCache
 
 _HEADROOM = 2 * 2**30  # GPU memory left for quantizing one layer beside the whole bf16 DiT
@@ -38,6 +38,7 @@ def load_quantized_dit(
     method: str,
     *,
     source: Path,
+    locate: Callable[[Path], Locations],
     dtype: torch.dtype,
     device: torch.device,
     free_memory: Callable[[torch.device], int],
@@ -47,7 +48,7 @@ def load_quantized_dit(
 
     The capability check runs first: a method that cannot run here fails before any weights are read.
     ``free_memory(device)`` is the memory the host lets a model use there now; SVDQuant results are kept under
-    ``cache_root``.
+    ``cache_root``. ``locate(source)`` says where the DiT's tensors lie there, for LoRAs on a torchao DiT.
     """
     spec = METHODS[method]
     if not spec.quantizes:
@@ -58,7 +59,7 @@ def load_quantized_dit(
         on = quantization_device(transformer, device, free_memory) if spec.whole_on_gpu_if_it_fits else device
         quantize_torchao(transformer, spec.quant_type, on)
         # How a LoRA's patched layers are made again (host/patchers.py): from the file, as these were.
-        transformer.requantizer = Requantizer(source, spec.quant_type, dtype)
+        transformer.requantizer = Requantizer(source, spec.quant_type, dtype, locate)
         return transformer
     return load_or_build_svdq(load, spec.quant_type, source=source, device=device, cache=SVDQCache(cache_root))
 

@@ -10,35 +10,30 @@ kept), and the patched result is quantized as the loader quantized the rest.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..model_files import read_folder_headers, read_header, read_safetensors
-from ..quant_layout import SCALED_MARKER, QuantLayers, fold_quantization, header_metadata, split_quantization
+from ..model_files import read_safetensors
+from ..quant_layout import SCALED_MARKER, QuantLayers, fold_quantization, split_quantization
 
-# Where single files put the DiT's released keys: bare (the ComfyUI repack) or under ComfyUI's checkpoint prefixes
-# (``dit/weights.py`` reads the same three).
-_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")
-_MARKER = "layers.0.adaLN_sa_ln.weight"  # a key of every ERNIE-Image DiT, as ``dit/weights.py`` finds the prefix by
-
-
-def _weights_folder(path: Path) -> Path | None:
-    """The folder of safetensors shards of a snapshot or ``transformer/`` folder; None for a single file."""
-    if not path.is_dir():
-        return None
-    return path / "transformer" if (path / "transformer").is_dir() else path
+# Each released key of the DiT's file(s) → (the file, the tensor's name there), and the header metadata: what
+# ``dit.weights.tensor_locations`` gives for the path the loader read (the loaders pass it in).
+Locations = tuple[dict[str, tuple[Path, str]], dict]
 
 
 @dataclass(frozen=True)
 class Requantizer:
     """How a torchao-quantized DiT's layers are made again: from ``source`` (the file or folder the loader read),
-    in ``dtype`` (what the loader quantized from), with cache-dit's torchao method ``quant_type``."""
+    in ``dtype`` (what the loader quantized from), with cache-dit's torchao method ``quant_type``; ``locate(source)``
+    says where its tensors lie (``dit.weights.tensor_locations``, which knows the DiT's layouts)."""
 
     source: Path
     quant_type: str
     dtype: torch.dtype
+    locate: Callable[[Path], Locations] = field(compare=False, repr=False)
 
     @staticmethod
     def holds(weight: torch.Tensor) -> bool:
@@ -48,18 +43,9 @@ class Requantizer:
         return isinstance(weight, TorchAOBaseTensor)
 
     @functools.cached_property
-    def _index(self) -> tuple[dict[str, tuple[Path, str]], dict[str, str]]:
-        """Each released key of the DiT's file(s) → (the file, the tensor's name there), and the header metadata
-        (an fp8 file's quantization layout may be there): read from the headers once, at the first patched layer."""
-        folder = _weights_folder(self.source)
-        if folder is None:
-            header = read_header(self.source)
-            prefix = next(p for p in _FILE_PREFIXES if p + _MARKER in header)
-            where = {name[len(prefix):]: (self.source, name) for name in header if name.startswith(prefix)}
-        else:
-            header, files = read_folder_headers(folder)
-            where = {name: (files[name], name) for name in header}
-        return where, header_metadata(folder or self.source)
+    def _index(self) -> Locations:
+        """Read from the headers once, at the first patched layer."""
+        return self.locate(self.source)
 
     def original(self, key: str) -> torch.Tensor:
         """The weight ``key`` (a released key: ``layers.0.mlp.gate_proj.weight``) as the loader held it before
