@@ -77,3 +77,13 @@ def test_per_row_quantization_keeps_each_row_within_fp8_precision():
     fp8, scale = quantize_rows(weight)
     assert fp8.dtype == FP8 and scale.shape == (64, 1)
     assert _relative_error(fp8.float() * scale, weight) < 0.04
+
+
+def test_the_loader_node_holds_fp8_only_when_asked(comfy_paths, tiny_models):
+    from comfyui_ernie_image.nodes.text.nodes import ErnieImageTextEncoderLoader
+
+    name = f"text_encoders/{tiny_models['text_encoder_file'].name}"
+    asked = ErnieImageTextEncoderLoader.execute(name, "cpu", "fp8_e4m3fn").result[0]
+    saved_before = ErnieImageTextEncoderLoader.execute(name, "cpu").result[0]  # a workflow without the input
+    assert any(isinstance(m, Fp8Linear) for m in asked.encoder.language_model.modules())
+    assert not any(isinstance(m, Fp8Linear) for m in saved_before.encoder.language_model.modules())
