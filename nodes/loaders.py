@@ -24,7 +24,7 @@ from .quant.capability import METHODS
 from .quant.quantize import load_quantized_dit
 from .sockets import ErniePEType, ErnieTextEncoderType
 from .text.managed import ManagedTextEncoder
-from .text.nodes import text_encoder_device_input
+from .text.nodes import text_encoder_device_input, text_encoder_weight_dtype_input
 
 # Before the one grammar (``choices``), the all-in-one loader listed a snapshot bare, the DiT loader a file.
 SNAPSHOT_MODELS = ModelList((SNAPSHOTS,), legacy="diffusers")
@@ -88,6 +88,7 @@ class ErnieImageLoader(io.ComfyNode):
                                       "(baidu/ERNIE-Image(-Turbo)), listed as diffusers/<folder>."),
                 *_weight_inputs(),
                 text_encoder_device_input("text_encoder_device"),
+                text_encoder_weight_dtype_input("text_encoder_weight_dtype"),
             ],
             outputs=[
                 io.Model.Output(),
@@ -103,12 +104,12 @@ class ErnieImageLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, model_name: str, weight_dtype: str = "default", quantization: str = "none",
-                text_encoder_device: str = "default") -> io.NodeOutput:
+                text_encoder_device: str = "default", text_encoder_weight_dtype: str = "default") -> io.NodeOutput:
         snapshot = SNAPSHOT_MODELS.resolve(model_name).path
         model = _load_model(snapshot, weight_dtype, quantization, snapshot_shift(snapshot))
         return io.NodeOutput(
             model,
-            ManagedTextEncoder.from_snapshot(snapshot, text_encoder_device),
+            ManagedTextEncoder.from_snapshot(snapshot, text_encoder_device, text_encoder_weight_dtype == "fp8_e4m3fn"),
             load_snapshot_vae(snapshot),
             snapshot_pe(snapshot),
         )

@@ -15,6 +15,10 @@ weight is read, the header is checked against the model built from the config on
 (``structure``): layers counted and capped, every tensor there with its shape (a missing one would be left at random
 values by transformers, silently), nothing unknown. transformers' own loading report is the second guard.
 Only safetensors are read.
+
+``fp8``: the decoder layers' linears are held in fp8 (``fp8_linear``). A file in core's scaled-fp8 or comfy_quant
+layout (``quant_layout``) always loads so, its fp8 weights and scales as they are; a bf16/fp32 file asked for fp8 is
+quantized one tensor at a time, so no bf16 copy of the linears is ever held beside the fp8 one.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from pathlib import Path
 import torch
 
 from .errors import ErnieImageError
+from .fp8_linear import DECODER_LINEAR, quantize_rows, use_fp8_linears
 from .model_files import Header, builds_weights, read_folder_headers, read_header, read_safetensors, read_tensors
+from .quant_layout import CONFIG_SUFFIX, FP8_FORMATS, SCALED_MARKER, header_metadata, split_quantization
 from .structure import Architecture, check_structure, count_blocks, is_ignored
 
 HEAD_DIM = 128  # every Ministral 3 model has 128-wide attention heads
@@ -42,6 +48,9 @@ IGNORED = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "mo
            "tekken_model")
 LM_HEADS = ("lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight")
 LM_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})  # anything else is a quantized file
+FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+# What core's fp8 layouts add beside a layer's weight (scaled fp8's and comfy_quant's names), and scaled fp8's marker.
+QUANT_SUFFIXES = (".scale_weight", ".scale_input", ".weight_scale", ".input_scale", CONFIG_SUFFIX)
 
 
 class LanguageModelLayout:
@@ -154,16 +163,100 @@ def read_config(config_class, folder: Path, what: str, error: type[ErnieImageErr
     return config
 
 
+def _fp8_scales(header: Header, where: Mapping[str, Path], source: str, what: str, advice: str,
+                error: type[ErnieImageError]) -> tuple[Header, dict[str, torch.Tensor]]:
+    """The header without what core's fp8 layouts add, and each fp8 weight's scale (``[]`` or ``[rows, 1]``, finite
+    and positive) by the file's key; ``{}`` for a plain file. Only the small tensors (scales, configurations) are
+    read."""
+    extra = [k for k in header if k == SCALED_MARKER or k.endswith(QUANT_SUFFIXES)]
+    fp8_weights = {k for k, info in header.items() if info.dtype in FP8_DTYPES and k != SCALED_MARKER}
+    if not extra and not fp8_weights:
+        return header, {}
+    for key in extra:
+        if key == SCALED_MARKER or key.endswith(CONFIG_SUFFIX):
+            continue
+        weight = header.get(key[: key.rindex(".")] + ".weight")
+        if weight is None or math.prod(header[key].shape) not in (1, weight.shape[0]):
+            fault = "scales no weight" if weight is None else "is not one scale per tensor or per row"
+            raise error(f"{source}: {key} {fault}: the file is damaged. {advice}")
+    small = read_tensors(where, [k for k in extra if k != SCALED_MARKER])
+    shapes = {k: torch.empty(info.shape, dtype=FP8_DTYPES.get(info.dtype, torch.bfloat16), device="meta")
+              for k, info in header.items() if k not in small}
+    try:
+        weights, quantized = split_quantization({**shapes, **small}, _metadata(where))
+    except ErnieImageError as e:  # the DiT's reader says it in the pack's words; here in the model's error type
+        raise error(f"{source}: {e}") from e
+    scales = {}
+    for layer, conf in quantized.layers.items():
+        key = f"{layer}.weight"
+        if conf["format"] not in FP8_FORMATS or key not in fp8_weights:
+            raise error(f"{source}: {layer} is stored as {conf['format']}, which the {what} cannot load (fp8 weights "
+                        f"with a scale can be). {advice}")
+        scale = weights.get(f"{layer}.weight_scale")
+        if scale is None or not bool(torch.isfinite(scale).all() and (scale > 0).all()):
+            fault = "no scale" if scale is None else "a scale that is not finite and positive"
+            raise error(f"{source}: {key} has {fault}: the file is damaged. {advice}")
+        scales[key] = scale.float().reshape(() if scale.numel() == 1 else (-1, 1))
+    unscaled = sorted(fp8_weights - set(scales))
+    if unscaled:
+        raise error(f"{source}: {unscaled[0]} is fp8 without a scale or a quantization configuration: it is not "
+                    f"core's fp8 layout. {advice}")
+    return {k: info for k, info in header.items() if k not in extra}, scales
+
+
+def _metadata(where: Mapping[str, Path]) -> dict[str, str]:
+    metadata: dict[str, str] = {}
+    for file in sorted(set(where.values())):
+        metadata.update(header_metadata(file))
+    return metadata
+
+
+def _fp8_model(meta, state: dict[str, torch.Tensor], linears: Mapping[str, str], where: Mapping[str, Path],
+               scales: Mapping[str, torch.Tensor], dtype: torch.dtype, source: str, what: str,
+               error: type[ErnieImageError]):
+    """``meta`` (on the meta device) with its decoder linears in fp8 and the rest of ``state`` in ``dtype``.
+    ``linears``: the file's key → the model's name of each linear weight, read one at a time (a bf16 one is
+    quantized and dropped before the next is read)."""
+    use_fp8_linears(meta)
+    state = {name: tensor.to(dtype) for name, tensor in state.items()}
+    for key, name in linears.items():
+        (tensor,) = read_tensors(where, [key]).values()
+        state[name], scale = (tensor, scales[key]) if key in scales else quantize_rows(tensor)
+        state[f"{name}_scale"] = scale
+        # A file's scale is per tensor or per row: the layer takes the shape it has.
+        meta.get_submodule(name.removesuffix(".weight")).weight_scale = torch.empty(scale.shape, device="meta")
+    tied = meta.config.tie_word_embeddings
+    if tied:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    try:
+        meta.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise error(f"{source}: the {what}'s weights do not fit its model ({e}). Download it again.") from e
+    if tied:
+        meta.lm_head.weight = meta.model.embed_tokens.weight
+    # Its rotary frequencies are computed, not stored: built on the meta device, they are made again here.
+    meta.model.rotary_emb = type(meta.model.rotary_emb)(config=meta.config)
+    meta.config.dtype = dtype
+    return meta.eval()
+
+
 @builds_weights
 def load_ministral(header: Header, where: Mapping[str, Path], config, dtype: torch.dtype, *, source: str, what: str,
-                   instead: str, error: type[ErnieImageError] = ErnieImageError, lm_head: bool = True):
+                   instead: str, error: type[ErnieImageError] = ErnieImageError, lm_head: bool = True,
+                   fp8: bool = False):
     """A ``…ForCausalLM`` (CPU, eval mode) from the tensors ``header`` declares and ``where`` holds, once the header
     is known to hold exactly the model: ``config`` (None: read off the shapes, for ComfyUI's repacks) must agree with
-    it. ``lm_head=False``: the head is not used (the text encoder), so it is neither read nor needed."""
+    it. ``lm_head=False``: the head is not used (the text encoder), so it is neither read nor needed. ``fp8``: the
+    decoder linears in fp8 (always so for a file in core's fp8 layout)."""
     advice = f"Download it again, or {instead}"
+    header, scales = _fp8_scales(header, where, source, what, advice, error)
     layout = LanguageModelLayout(header, source, what, instead, error)
-    if any(header[key].dtype not in LM_DTYPES for key in layout.model_names):
+    if any(header[key].dtype not in LM_DTYPES for key in layout.model_names if key not in scales):
         raise error(f"{source} holds quantized weights; load the bf16/fp16 {what} file instead")
+    misplaced = [key for key in scales if not DECODER_LINEAR.match(layout.model_names.get(key, ""))]
+    if misplaced:
+        raise error(f"{source} holds {misplaced[0]} in fp8: only the decoder layers' projections can be. {advice}")
+    fp8 = fp8 or bool(scales)
     layers = count_blocks(header, layout.prefix + "layers.", MAX_LAYERS, source, f"Ministral 3 {what}", advice, error)
     inferred = config is None
     if inferred:
@@ -181,9 +274,14 @@ def load_ministral(header: Header, where: Mapping[str, Path], config, dtype: tor
                                          advice, optional=frozenset(optional),
                                          ignored=IGNORED if lm_head else (*IGNORED, *LM_HEADS)), source, error)
     wanted = [key for key, name in layout.model_names.items() if name in expected]
-    state = {layout.model_names[key]: tensor for key, tensor in read_tensors(where, wanted).items()}
+    linears = {key: layout.model_names[key] for key in wanted if fp8 and DECODER_LINEAR.match(layout.model_names[key])}
+    state = {layout.model_names[key]: tensor
+             for key, tensor in read_tensors(where, [k for k in wanted if k not in linears]).items()}
     if inferred and "lm_head.weight" in state:
         config.tie_word_embeddings = torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+    if fp8:
+        meta.config.tie_word_embeddings = config.tie_word_embeddings
+        return _fp8_model(meta, state, linears, where, scales, dtype, source, what, error)
     # sdpa always: a config.json may name another implementation (eager, or flash_attention_2 that is not
     # installed), and the pack's PE decoding and the reference embeddings are sdpa's.
     model, info = type(meta).from_pretrained(None, config=config, state_dict=state, dtype=dtype,
@@ -197,11 +295,11 @@ def load_ministral(header: Header, where: Mapping[str, Path], config, dtype: tor
 
 
 def load_ministral_folder(folder: Path, config, dtype: torch.dtype, *, what: str, instead: str,
-                          error: type[ErnieImageError] = ErnieImageError, lm_head: bool = True):
+                          error: type[ErnieImageError] = ErnieImageError, lm_head: bool = True, fp8: bool = False):
     """``load_ministral`` from a Hugging Face folder's safetensors shards (its ``config`` already read)."""
     header, where = read_folder_headers(folder, error)
     return load_ministral(header, where, config, dtype, source=str(folder), what=what, instead=instead, error=error,
-                          lm_head=lm_head)
+                          lm_head=lm_head, fp8=fp8)
 
 
 def read_ministral_file(
@@ -213,19 +311,20 @@ def read_ministral_file(
     chat_template: str | None = None,
     error: type[ErnieImageError] = ErnieImageError,
     lm_head: bool = True,
+    fp8: bool = False,
 ):
     """``(…ForCausalLM, tokenizer)`` from one ComfyUI-style file, on the CPU in eval mode.
 
     ``what`` names the model in errors ("text encoder", "prompt enhancer"), ``instead`` says what to load when the
     file cannot be used, ``chat_template`` is given to the tokenizer, ``error`` is the exception type raised;
-    ``lm_head=False``: the head is not used (the text encoder).
+    ``lm_head=False``: the head is not used (the text encoder); ``fp8``: as ``load_ministral``.
     """
     header = read_header(path)  # a wrong file is refused before it is read
     LanguageModelLayout(header, str(path), what, instead, error)
     if "tekken_model" not in header:
         raise error(f"{path} carries no tokenizer (no 'tekken_model' entry, as in ComfyUI's repack): {instead}")
     model = load_ministral(header, dict.fromkeys(header, path), None, dtype, source=str(path), what=what,
-                           instead=instead, error=error, lm_head=lm_head)
+                           instead=instead, error=error, lm_head=lm_head, fp8=fp8)
     (tekken,) = read_safetensors(path, ["tekken_model"]).values()
     return model, _tekken_tokenizer(tekken, chat_template, instead, error)
 

@@ -28,9 +28,9 @@ class ErnieTextEncoder:
         self.tokenizer = tokenizer
 
     @classmethod
-    def from_snapshot(cls, snapshot: Path, dtype: torch.dtype) -> ErnieTextEncoder:
+    def from_snapshot(cls, snapshot: Path, dtype: torch.dtype, fp8: bool = False) -> ErnieTextEncoder:
         """Load ``text_encoder/`` (its language model) and ``tokenizer/`` of an ERNIE-Image snapshot (safetensors
-        only)."""
+        only); ``fp8``: its decoder linears held in fp8 (``ministral_file``)."""
         from transformers import AutoTokenizer, Mistral3Config
 
         encoder_dir, tokenizer_dir = snapshot / "text_encoder", snapshot / "tokenizer"
@@ -54,14 +54,14 @@ class ErnieTextEncoder:
         except (OSError, ValueError) as e:
             raise ErnieImageError(f"Cannot load the text encoder in {snapshot} ({e}). Download it again.") from e
         model = load_ministral_folder(encoder_dir, text_config, dtype, what="text encoder", lm_head=False,
-                                      instead="download the whole snapshot again")
+                                      instead="download the whole snapshot again", fp8=fp8)
         return cls(model.model, tokenizer)
 
     @classmethod
-    def from_single_file(cls, path: Path, dtype: torch.dtype) -> ErnieTextEncoder:
+    def from_single_file(cls, path: Path, dtype: torch.dtype, fp8: bool = False) -> ErnieTextEncoder:
         """Load ComfyUI's repack ``ministral-3-3b.safetensors`` (the language model with its tokenizer inside)."""
         model, tokenizer = read_ministral_file(
-            path, dtype, what="text encoder", lm_head=False,
+            path, dtype, what="text encoder", lm_head=False, fp8=fp8,
             instead="use an ERNIE-Image snapshot folder (its text_encoder/ and tokenizer/) instead",
         )
         # The snapshot's tokenizer puts a BOS before every prompt (diffusers encodes with add_special_tokens=True);

@@ -35,12 +35,12 @@ class ManagedTextEncoder(CacheSized):
         self.patcher = text_model_patcher(container, load, offload, "text encoder", chosen=device != "default")
 
     @classmethod
-    def from_snapshot(cls, snapshot: Path, device: str = "default") -> ManagedTextEncoder:
-        return cls(ErnieTextEncoder.from_snapshot(snapshot, text_model_dtype(text_devices(device)[0])), device)
+    def from_snapshot(cls, snapshot: Path, device: str = "default", fp8: bool = False) -> ManagedTextEncoder:
+        return cls(ErnieTextEncoder.from_snapshot(snapshot, text_model_dtype(text_devices(device)[0]), fp8), device)
 
     @classmethod
-    def from_single_file(cls, path: Path, device: str = "default") -> ManagedTextEncoder:
-        return cls(ErnieTextEncoder.from_single_file(path, text_model_dtype(text_devices(device)[0])), device)
+    def from_single_file(cls, path: Path, device: str = "default", fp8: bool = False) -> ManagedTextEncoder:
+        return cls(ErnieTextEncoder.from_single_file(path, text_model_dtype(text_devices(device)[0]), fp8), device)
 
     def cache_tensors(self) -> list[torch.Tensor]:
         return [*self.encoder.language_model.parameters(), *self.encoder.language_model.buffers()]

@@ -31,6 +31,17 @@ def text_encoder_device_input(name: str) -> io.Combo.Input:
                           "the encoder at all). cpu or another GPU keeps it off the DiT's card.")
 
 
+TEXT_WEIGHT_DTYPES = ("default", "fp8_e4m3fn")
+
+
+def text_encoder_weight_dtype_input(name: str) -> io.Combo.Input:
+    """The text encoder's weight storage: optional, so that workflows saved before it load unchanged."""
+    return io.Combo.Input(name, options=list(TEXT_WEIGHT_DTYPES), default="default", optional=True,
+                          tooltip="default: as loaded (bf16 on GPUs that run it well; an fp8 file stays fp8). "
+                          "fp8_e4m3fn: the decoder layers' weights in fp8 (about half the memory), cast to the "
+                          "compute dtype as each layer runs: any GPU and the CPU.")
+
+
 class ErnieImageTextEncoderLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -44,6 +55,7 @@ class ErnieImageTextEncoderLoader(io.ComfyNode):
                 TEXT_ENCODER_MODELS.input("model_name", tooltip="diffusers/<snapshot folder>, or "
                                           "text_encoders/<file>."),
                 text_encoder_device_input("device"),
+                text_encoder_weight_dtype_input("weight_dtype"),
             ],
             outputs=[ErnieTextEncoderType.Output(display_name="TEXT_ENCODER")],
         )
@@ -53,11 +65,12 @@ class ErnieImageTextEncoderLoader(io.ComfyNode):
         return TEXT_ENCODER_MODELS.check(model_name)
 
     @classmethod
-    def execute(cls, model_name: str, device: str = "default") -> io.NodeOutput:
+    def execute(cls, model_name: str, device: str = "default", weight_dtype: str = "default") -> io.NodeOutput:
         model = TEXT_ENCODER_MODELS.resolve(model_name)
+        fp8 = weight_dtype == "fp8_e4m3fn"
         if model.folder == SNAPSHOTS.folder:
-            return io.NodeOutput(ManagedTextEncoder.from_snapshot(model.path, device))
-        return io.NodeOutput(ManagedTextEncoder.from_single_file(model.path, device))
+            return io.NodeOutput(ManagedTextEncoder.from_snapshot(model.path, device, fp8))
+        return io.NodeOutput(ManagedTextEncoder.from_single_file(model.path, device, fp8))
 
 
 class ErnieImageTextEncode(io.ComfyNode):
