@@ -7,6 +7,9 @@ ends up is visible without one.
 
 from __future__ import annotations
 
+import copy
+import importlib
+
 import comfy.model_patcher
 import pytest
 import torch
@@ -18,7 +21,7 @@ from comfyui_ernie_image.nodes.dit.build import build_diffusion_model
 from comfyui_ernie_image.nodes.dit.model import make_model_patcher
 from comfyui_ernie_image.nodes.host.memory import usable_memory
 from comfyui_ernie_image.nodes.host.patchers import WholeModelPatcher, place
-from comfyui_ernie_image.nodes.quant.quantize import quantization_device
+from comfyui_ernie_image.nodes.quant.quantize import quantization_device, quantize_torchao
 from comfyui_ernie_image.nodes.text.managed import ManagedTextEncoder
 from scripts.tiny_models import TINY_DIT
 
@@ -129,12 +132,41 @@ def test_the_dit_moves_outside_inference_mode():
     assert moves.inference_mode == {False}
 
 
-def test_quantization_runs_on_the_gpu_only_when_comfyui_counts_room_for_the_whole_dit():
+def test_quantization_runs_on_the_gpu_whole_or_one_block_at_a_time_by_comfyuis_free_memory():
     transformer = tiny_dit()
     needed = sum(p.nbytes for p in transformer.parameters()) + 2 * 2**30
+    block = max(sum(p.nbytes for p in b.parameters()) for b in transformer.layers)
     gpu = torch.device("cuda", 0)
-    assert quantization_device(transformer, gpu, lambda device: needed) == gpu
-    assert quantization_device(transformer, gpu, lambda device: needed - 1) == torch.device("cpu")
+    assert quantization_device(transformer, gpu, lambda device: needed) == (gpu, False)
+    assert quantization_device(transformer, gpu, lambda device: needed - 1) == (gpu, True)
+    assert quantization_device(transformer, gpu, lambda device: 2 * block + 2 * 2**30) == (gpu, True)
+    assert quantization_device(transformer, gpu, lambda device: 2 * block + 2 * 2**30 - 1) == (torch.device("cpu"),
+                                                                                              False)
+    assert quantization_device(transformer, torch.device("cpu"), lambda device: 0) == (torch.device("cpu"), False)
+
+
+def test_one_block_at_a_time_quantizes_as_the_whole_dit_cuda_platform_stood_in(monkeypatch):
+    """cache-dit quantizes the DiT's blocks with one configuration and filter; given one block, the same layers and
+    values come out. On the CPU (torchao quantizes CPU tensors as it does on the GPU), with cache-dit's check that a
+    CUDA platform exists stood in for: it asserts one before quantizing on any device. int8_weight_only: torchao's
+    FP8 asserts an sm89+ GPU itself; the block-by-block path is the same for every method (the GPU check runs FP8
+    through it on an emulated 16 GB card)."""
+    quant_type = "int8_weight_only"
+    quantize_ao = importlib.import_module("cache_dit.quantization.torchao.quantize_ao")  # the package re-exports a
+    # function by the module's name
+
+    monkeypatch.setattr(quantize_ao.current_platform, "is_accelerator_available", lambda: True)
+    monkeypatch.setattr(quantize_ao.current_platform, "device_type", "cuda")
+    whole = tiny_dit().to(torch.bfloat16)
+    blocks = copy.deepcopy(whole)
+    quantize_torchao(whole, quant_type, torch.device("cpu"))
+    quantize_torchao(blocks, quant_type, torch.device("cpu"), per_block=True)
+    quantized = {name: type(p) for name, p in whole.named_parameters() if type(p) is not torch.nn.Parameter}
+    assert quantized and all(name.startswith("layers.") for name in quantized)
+    assert {name: type(p) for name, p in blocks.named_parameters() if type(p) is not torch.nn.Parameter} == quantized
+    for (name, a), b in zip(whole.state_dict().items(), blocks.state_dict().values(), strict=True):
+        assert torch.equal(a.dequantize() if name in quantized else a, b.dequantize() if name in quantized else b)
+    assert blocks._quantize_type == whole._quantize_type == quant_type  # cache-dit's marks on the whole DiT
 
 
 def test_usable_memory_is_comfyuis_free_memory_less_its_reserve(monkeypatch):

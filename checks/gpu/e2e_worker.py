@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import functools
 import gc
 import importlib.abc
 import importlib.machinery
@@ -429,6 +430,27 @@ def run_prompt(execution, executor, graph: dict, nvml: NvmlPeak | None = None) -
         logging.getLogger().removeHandler(notes)
 
 
+def copied_bytes(run) -> tuple[dict, dict[str, int]]:
+    """``run()``'s row, and the bytes CUDA copied between host and device while it ran, by direction (``HtoD``,
+    ``DtoH``; ``DtoD`` apart), from the torch profiler's memcpy events (their ``bytes`` in the Kineto trace): every
+    copy, weights and latents alike, whichever path made it (core's loads and casts, the pack's, torchao's)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        row = run()
+    moved: dict[str, int] = Counter()
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        profiler.export_chrome_trace(trace.name)
+        events = json.loads(Path(trace.name).read_text()).get("traceEvents", [])
+    for event in events:
+        if event.get("cat") == "gpu_memcpy":
+            direction = next((d for d in ("HtoD", "DtoH", "DtoD") if d in event.get("name", "")), "other")
+            moved[direction] += int(event.get("args", {}).get("bytes", 0))
+    return row, dict(moved)
+
+
 def free(executor, nvml: NvmlPeak | None = None) -> dict:
     """What the server's worker runs for ``POST /free`` (unload models, free memory); GPU memory before and after
     (torch's, and the device's as NVML sees it)."""
@@ -472,6 +494,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, help="image size instead of the workflows' own")
     parser.add_argument("--base-steps", type=int, help="at most this many sampling steps")
     parser.add_argument("--warm-runs", type=int, default=1, help="warm runs per workflow (each a new prompt)")
+    parser.add_argument("--copies", action="store_true", help="one more warm run per workflow under the torch "
+                        "profiler: the bytes copied host <-> GPU (its time is not a warm time)")
     options = parser.parse_args()
     core = detect_core(options.comfyui) if options.core == "auto" else options.core
     if core == "fork":  # the fork sets up logging itself (main_pre), to stderr
@@ -507,6 +531,10 @@ def main() -> None:
             if turbo is not None:
                 record("ernie_image_turbo", "after /free", run_prompt(execution, executor, variant(
                     turbo, len(labels), options.pe_tokens, options.size, options.base_steps), nvml))
+        if options.copies and torch.cuda.is_available():
+            profiled = variant(graph, len(labels) + 1, options.pe_tokens, options.size, options.base_steps)
+            row, moved = copied_bytes(functools.partial(run_prompt, execution, executor, profiled))
+            record(path.stem, "copies", dict(row, copied_bytes=moved))
 
 
 if __name__ == "__main__":

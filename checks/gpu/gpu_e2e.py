@@ -7,6 +7,7 @@
     python checks/gpu/gpu_e2e.py --tiny --cpu              # tiny models on the CPU (CI runs three workflows so)
     python checks/gpu/gpu_e2e.py --core fork               # on the 0.12.1 fork (.gpu-fork/src), dynamic VRAM on
     python checks/gpu/gpu_e2e.py --warm-runs 3 --pack ../old   # median of 3 warm runs; another checkout's pack
+    python checks/gpu/gpu_e2e.py --modes card16 --fresh-process --copies  # per recipe: its own process, bytes moved
 
 Writes true-size random-weight models in the real layouts once (``e2e_models.py``; about 37 GB under ``--work``),
 then runs one ComfyUI process per mode (``e2e_worker.py``), each running the API twins of ``tests/workflows/`` that
@@ -40,7 +41,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 # Turbo first (run again after /free), the PE before the FP8 workflow: the order a user might meet them in.
 WORKFLOWS = ("ernie_image_turbo", "ernie_image_turbo_single_files", "ernie_image_pe_local", "ernie_image_low_vram",
-             "ernie_image_base", "ernie_image_cache_compile", "ernie_image_turbo_lora")
+             "ernie_image_base", "ernie_image_cache_compile", "ernie_image_turbo_lora", "ernie_image_low_vram_lora")
+# Twins the check makes from another (name: (the twin, what its loader's inputs become)), for recipes the low-VRAM
+# workflow's note gives without a shared workflow of their own: its loader with the LoRA workflow's LoRA, and the
+# Turbo workflow with the fp8 text encoder (the 24 GB card's bf16 recipe).
+DERIVED = {
+    "ernie_image_low_vram_lora": ("ernie_image_turbo_lora", {"quantization": "fp8_per_row",
+                                                             "text_encoder_weight_dtype": "fp8_e4m3fn"}),
+    "ernie_image_turbo_te_fp8": ("ernie_image_turbo", {"text_encoder_weight_dtype": "fp8_e4m3fn"}),
+}
 NOT_RUN = {"ernie_image_turbo_native": "needs ComfyUI >= 0.19 (native ERNIE loaders); the check runs {core}",
            "ernie_image_pe_remote": "needs an OpenAI-compatible server; CPU tests run it against transformers serve"}
 CORES = {"0.3.75": "0.3.75", "fork": "the 0.12.1 fork"}
@@ -71,11 +80,24 @@ def prepare(work: Path, true_size: bool) -> Path:
 
 def base_directory(work: Path, mode: str, models: Path, pack: Path) -> Path:
     """A fresh ComfyUI base directory per mode (its own PE cache), the pack under another folder name."""
-    base = work / f"base-{mode}-{int(time.time())}"
+    base = work / f"base-{mode}-{time.time_ns()}"
     (base / "custom_nodes").mkdir(parents=True)
     (base / "custom_nodes" / "comfyui-ernie-image").symlink_to(pack, target_is_directory=True)
     (base / "models").symlink_to(models, target_is_directory=True)
     return base
+
+
+def twin_path(args, name: str) -> Path:
+    """The API twin ``name``: the pack's ``tests/workflows/`` file, or a ``DERIVED`` one written under ``--work``."""
+    if name not in DERIVED:
+        return args.pack / "tests" / "workflows" / f"{name}.json"
+    source, loader_inputs = DERIVED[name]
+    graph = json.loads((args.pack / "tests" / "workflows" / f"{source}.json").read_text())
+    graph["loader"]["inputs"].update(loader_inputs)
+    path = args.work / "derived" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(graph, indent=2))
+    return path
 
 
 def run_mode(mode: str, args, models: Path, deadline: float) -> list[dict]:
@@ -83,13 +105,21 @@ def run_mode(mode: str, args, models: Path, deadline: float) -> list[dict]:
     if time.time() > deadline - 30:
         return [dict(mode=mode, workflow="(mode)", run="-", ok=False, error="not started: no time left")]
     start = time.perf_counter()
+    # --fresh-process: one process per workflow, so its host RAM is that recipe's alone (first and warm runs).
+    groups = [[w] for w in args.workflows] if args.fresh_process else [args.workflows]
+    rows = []
     with (args.out / f"e2e-{mode}.log").open("w") as log:
-        rows = _run_worker(mode, args, models, log, deadline)
+        for workflows in groups:
+            if rows and time.time() > deadline - 30:
+                rows += [dict(mode=mode, workflow=w, run="-", ok=False, error="not started: no time left")
+                         for w in workflows]
+                continue
+            rows += _run_worker(mode, args, models, log, deadline, workflows)
     print(f"{mode}: {time.perf_counter() - start:.0f} s", flush=True)
     return rows
 
 
-def _run_worker(mode: str, args, models: Path, log, deadline: float) -> list[dict]:
+def _run_worker(mode: str, args, models: Path, log, deadline: float, workflows: list[str]) -> list[dict]:
     flags, card = MODES[mode]
     results = args.out / f"runs-{mode}.jsonl"
     results.unlink(missing_ok=True)
@@ -98,11 +128,12 @@ def _run_worker(mode: str, args, models: Path, log, deadline: float) -> list[dic
         flags = (flags + " --fast dynamic_vram").strip()  # the fork's switch for dynamic VRAM (comfy-aimdo)
     command = [sys.executable, str(REPO / "checks" / "gpu" / "e2e_worker.py"), "--comfyui", str(args.comfyui),
                "--core", args.core, "--base", str(base), "--flags=" + flags + (" --cpu" if args.cpu else ""),
-               "--workflows", ",".join(str(args.pack / "tests" / "workflows" / f"{w}.json") for w in args.workflows),
+               "--workflows", ",".join(str(twin_path(args, w)) for w in workflows),
                "--json", str(results), "--pe-tokens", str(args.pe_tokens), "--warm-runs", str(args.warm_runs)]
     command += ["--card-gib", str(card)] if card else []
     command += ["--size", "256"] if args.tiny else []
     command += ["--base-steps", str(args.base_steps)] if args.base_steps else []
+    command += ["--copies"] if args.copies else []
     log.write(f"\n===== {mode}: {' '.join(command)}\n")
     log.flush()
     timed_out = False
@@ -188,6 +219,10 @@ def table(rows: list[dict], core: str = "0.3.75") -> str:
         notes = [n.replace("|", "/")[:200] for n in sorted({note for r in runs for note in r.get("notes", [])})]
         if _loads(runs):
             notes.insert(0, _loads(runs)[:400])
+        moved = by_run.get("copies", {}).get("copied_bytes")
+        if moved is not None:  # --copies: one more warm prompt, profiled
+            notes.insert(0, "copied per warm prompt: " + ", ".join(
+                f"{d} {moved.get(d, 0) / 1e6:,.0f} MB" for d in ("HtoD", "DtoH", "DtoD")))
         slowest = list(by_run.get("warm", {}).get("nodes_s", {}).items())[:3]
         if slowest:  # where a warm prompt's time goes (model moves land in the node that needs the model)
             notes.insert(0, "warm: " + ", ".join(f"{node.split(' ', 1)[-1]} {s:.1f} s" for node, s in slowest))
@@ -219,6 +254,10 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=560.0, help="stop starting modes after this")
     parser.add_argument("--parallel", type=int, default=1, help="modes run at once (their times then overlap)")
     parser.add_argument("--warm-runs", type=int, default=1, help="warm runs per workflow; the table gives the median")
+    parser.add_argument("--fresh-process", action="store_true", help="one ComfyUI process per workflow (each "
+                        "recipe's host RAM alone), instead of one per mode")
+    parser.add_argument("--copies", action="store_true", help="one more warm run per workflow under the torch "
+                        "profiler: bytes copied host <-> GPU per warm prompt")
     parser.add_argument("--pack", type=Path, default=REPO, help="the pack to install, and its tests/workflows twins "
                         "(another checkout: the same check on older code, e.g. to compare times)")
     args = parser.parse_args()

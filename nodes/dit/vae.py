@@ -17,6 +17,22 @@ from ..model_files import builds_weights, read_safetensors
 # The VAE's batch-norm epsilon as trained and as diffusers applies it; ComfyUI's Flux.2 VAE assumes 1e-4,
 # which shifts every decoded latent channel whose running variance is small.
 TRAINED_BN_EPS = 1e-5
+# What a whole decode of one 1024² image (a 64×64 Flux.2 latent) needs beside the VAE's weights, in bf16: its
+# activations peak at 1.25 GiB (bench/vae_activation_peak.py) and the decode took 1.07 GiB on the H200 under the
+# inference mode ComfyUI runs nodes in (bench/RESULTS.md, session 9 call 5); plus 30 % for other allocators'
+# rounding. Core's estimate for this VAE is 4.25 GiB, which pushed a resident DiT or text encoder off a 16 or 24 GB
+# card for every decode.
+DECODE_BYTES_1024_BF16 = int(1.64 * 2**30)
+LATENT_PIXELS_1024 = 64 * 64
+
+
+def decode_memory(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """The bytes one image of a ``shape`` latent (``[batch, 128, h, w]``) needs to decode in ``dtype``: scaled by its
+    pixels and the dtype's size from the 1024² bf16 figure. Per image, as core's estimates are (core divides the
+    free memory by it to choose the decode's batch)."""
+    return int(DECODE_BYTES_1024_BF16 * shape[-2] * shape[-1] / LATENT_PIXELS_1024 * dtype.itemsize / 2)
+
+
 @builds_weights
 def make_vae(state_dict: dict[str, torch.Tensor], source: str):
     """A core ``VAE`` from the Flux.2 VAE weights (diffusers or ComfyUI keys), with the trained BN epsilon."""
@@ -27,8 +43,7 @@ def make_vae(state_dict: dict[str, torch.Tensor], source: str):
             "Use the vae/ of an ERNIE-Image snapshot or flux2-vae.safetensors."
         )
     vae.first_stage_model.bn_eps = TRAINED_BN_EPS
-    # Core's estimate of the decode's memory stays: 4.25 GiB at 1024² in bf16, where the decode takes 1.07 GiB on
-    # an H200 under inference mode (bench/RESULTS.md, 2026-12-01 session 9).
+    vae.memory_used_decode = decode_memory  # core reads it before each decode (VAE.decode and decode_tiled)
     return vae
 
 

@@ -33,8 +33,9 @@ class Method:
     runs_on: Callable[[Arch], bool] = lambda arch: True  # the CUDA architectures it runs on (any other device: none)
     hardware: str = "an NVIDIA GPU"  # what ``runs_on`` asks for, in words
     needs_bf16: bool = False
-    # Where it quantizes: the whole DiT on the GPU in seconds where it fits there, else on the CPU (True); or one
-    # layer at a time on the GPU, each result kept on the CPU (False).
+    # Where it quantizes: on the GPU in seconds, the whole DiT where it fits there, else one block at a time, and on
+    # the CPU only where not even a block fits (True: ``quantize.quantization_device``); or one layer at a time on
+    # the GPU, each result kept on the CPU (False: SVDQuant's own offloading).
     whole_on_gpu_if_it_fits: bool = True
     # Whether the loader compiles the quantized DiT's blocks by default. cache-dit's W4A4 kernels under
     # torch.compile are unverified (no GPU here runs them): those stay eager unless ErnieImageCompile asks.

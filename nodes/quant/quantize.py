@@ -1,7 +1,8 @@
 """Quantize the ERNIE-Image DiT at load time with cache-dit (engine: no ComfyUI here).
 
 - ``fp8_per_row``, ``fp8_weight_only``, ``int8_weight_only``: cache-dit's torchao path, at every load: seconds on
-  the GPU when the whole bf16 DiT fits there, else on the CPU (slower, no GPU memory).
+  the GPU, the whole bf16 DiT at once where it fits there, else one block at a time; on the CPU only where not even
+  a block fits (minutes).
 - ``svdq_*_dq``: cache-dit's dynamic SVDQuant W4A4 (no calibration data); minutes, so the result is saved
   (``svdq_cache``) and reloaded with ``cache_dit.load`` next time.
 
@@ -28,6 +29,8 @@ from .requantize import Locations, Requantizer
 from .svdq_cache import SVDQCache
 
 _HEADROOM = 2 * 2**30  # GPU memory left for quantizing one layer beside the whole bf16 DiT
+# What cache-dit's quantize records on the module it quantized (its own checks read ``_is_quantized``).
+_QUANTIZED_MARKS = ("_is_quantized", "_quantize_config", "_quantize_type", "_exclude_layers")
 # What cache_dit.load raises on a saved file that does not fit (damaged past its header, another layout).
 _LOAD_ERRORS = (OSError, ValueError, RuntimeError, TypeError, KeyError, SafetensorError)
 
@@ -56,8 +59,9 @@ def load_quantized_dit(
     require(method, probe(device), dtype)
     if spec.backend == "torchao":
         transformer = load()
-        on = quantization_device(transformer, device, free_memory) if spec.whole_on_gpu_if_it_fits else device
-        quantize_torchao(transformer, spec.quant_type, on)
+        on, per_block = (quantization_device(transformer, device, free_memory) if spec.whole_on_gpu_if_it_fits
+                         else (device, False))
+        quantize_torchao(transformer, spec.quant_type, on, per_block)
         # How a LoRA's patched layers are made again (host/patchers.py): from the file, as these were.
         transformer.requantizer = Requantizer(source, spec.quant_type, dtype, locate)
         return transformer
@@ -66,30 +70,49 @@ def load_quantized_dit(
 
 def quantization_device(
     transformer: torch.nn.Module, device: torch.device, free_memory: Callable[[torch.device], int]
-) -> torch.device:
-    """``device`` when the whole DiT fits in ``free_memory(device)`` (seconds), else the CPU (slower, no GPU memory).
+) -> tuple[torch.device, bool]:
+    """Where to quantize, and whether one block at a time: the whole DiT on ``device`` when it fits in
+    ``free_memory(device)``; else each block on ``device`` in turn (its bf16 weights and their quantized copy, about
+    0.5 GB for the true-size DiT, then back where the DiT is held), where one block fits; else the whole DiT on the
+    CPU (minutes, and a second copy of the blocks in host memory while it runs).
 
     The free memory is what the host's memory management offers, not the driver's: ComfyUI keeps a reserve
     (``--reserve-vram``) that a smaller card would not have at all."""
     if device.type != "cuda":
-        return device
-    needed = sum(p.nbytes for p in transformer.parameters()) + _HEADROOM
-    return device if free_memory(device) >= needed else torch.device("cpu")
+        return device, False
+    free = free_memory(device)
+    if free >= sum(p.nbytes for p in transformer.parameters()) + _HEADROOM:
+        return device, False
+    largest = max(sum(p.nbytes for p in block.parameters()) for block in transformer.layers)
+    return (device, True) if free >= 2 * largest + _HEADROOM else (torch.device("cpu"), False)
 
 
-def quantize_torchao(transformer: torch.nn.Module, quant_type: str, on: torch.device) -> torch.nn.Module:
-    """Quantize the transformer blocks' linear layers in place with cache-dit's torchao path, computing on ``on``;
-    the weights then go back where they were."""
+def quantize_torchao(transformer: torch.nn.Module, quant_type: str, on: torch.device,
+                     per_block: bool = False) -> torch.nn.Module:
+    """Quantize the transformer blocks' linear layers in place with cache-dit's torchao path, computing on ``on``
+    (the whole DiT at once, or ``per_block``: each block moved there, quantized, and moved back, so the GPU never
+    holds more than one block's bf16 weights); the weights then go back where they were."""
     from cache_dit import QuantizeConfig, quantize
 
     home = next(transformer.parameters()).device
     start = time.perf_counter()
+    config = QuantizeConfig(quant_type=quant_type)
     # Outside the inference mode ComfyUI runs nodes in: torchao's weights cannot change device inside it
     # (``host/patchers.py`` says why).
     with torch.inference_mode(False):
-        quantize(transformer.to(on), QuantizeConfig(quant_type=quant_type))
-        transformer.to(home)
-    logging.info("ERNIE-Image: quantized the DiT to %s on %s in %.1f s", quant_type, on, time.perf_counter() - start)
+        if per_block:
+            # cache-dit quantizes the DiT's blocks (``_repeated_blocks``) one by one with the same configuration and
+            # filter; a block given alone is quantized whole by that filter (tests/test_quant_lowvram.py compares).
+            for block in transformer.layers:
+                quantize(block.to(on), config)
+                block.to(home)
+            for mark in _QUANTIZED_MARKS:  # as cache-dit marks a DiT it quantized whole
+                setattr(transformer, mark, getattr(transformer.layers[0], mark))
+        else:
+            quantize(transformer.to(on), config)
+            transformer.to(home)
+    logging.info("ERNIE-Image: quantized the DiT to %s on %s%s in %.1f s", quant_type, on,
+                 " one block at a time" if per_block else "", time.perf_counter() - start)
     return transformer
 
 
