@@ -199,8 +199,8 @@ def _fp8_scales(header: Header, where: Mapping[str, Path], source: str, what: st
         scales[key] = scale.float().reshape(() if scale.numel() == 1 else (-1, 1))
     unscaled = sorted(fp8_weights - set(scales))
     if unscaled:
-        raise error(f"{source}: {unscaled[0]} is fp8 without a scale or a quantization configuration: it is not "
-                    f"core's fp8 layout. {advice}")
+        raise error(f"{source} holds quantized weights; load the bf16/fp16 {what} file instead ({unscaled[0]} is "
+                    "fp8 without the scale or quantization configuration core's fp8 layouts give every fp8 weight)")
     return {k: info for k, info in header.items() if k not in extra}, scales
 
 
