@@ -3,6 +3,7 @@ the all-in-one snapshot loader with the text encoder, VAE and Prompt Enhancer (s
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import folder_paths
@@ -17,10 +18,11 @@ from .dit.precision import WEIGHT_DTYPES, asked_dtypes
 from .dit.schedule import DEFAULT_SHIFT, snapshot_shift
 from .dit.vae import load_snapshot_vae
 from .dit.weights import tensor_locations
-from .host.memory import fits_whole, torch_device, usable_memory
+from .host.memory import capacity, fits_whole, torch_device, usable_memory
 from .host.sizes import module_bytes
 from .pe.nodes import snapshot_pe
-from .quant.capability import METHODS
+from .quant.capability import METHODS, probe
+from .quant.choice import AUTO, choose, fp8_bytes
 from .quant.quantize import load_quantized_dit
 from .sockets import ErniePEType, ErnieTextEncoderType
 from .text.managed import ManagedTextEncoder
@@ -36,9 +38,14 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, 
 
     ``disable_dynamic``: on core's classic patcher also where the core streams models with dynamic VRAM (core's
     compile node asks so through ``cached_patcher_init`` when it demotes a model to compile it)."""
+    device = torch_device()
+    if quantization == AUTO:
+        choice = choose(probe(device), capacity(device), fp8_bytes(path), weight_dtype)
+        logging.info("ERNIE-Image: quantization auto chose %s with weight_dtype %s: %s", choice.quantization,
+                     choice.weight_dtype, choice.why)
+        quantization, weight_dtype = choice.quantization, choice.weight_dtype
     method = METHODS[quantization]
     dtype, storage = asked_dtypes(weight_dtype, quantization, method.quantizes)
-    device = torch_device()
     dit = load_quantized_dit(
         lambda: load_dit(path, dtype, storage, load_device=device),
         quantization,
@@ -66,8 +73,10 @@ def _weight_inputs() -> list:
                        tooltip="default: bf16 on GPUs that run it well, fp32 on the CPU; an fp8 file stays fp8. "
                        "fp8_*: the blocks' weights stored in fp8 (half of bf16's memory), cast to bf16 as each "
                        "layer runs."),
-        io.Combo.Input("quantization", options=list(METHODS), default="none",
-                       tooltip="Quantize the DiT's block linear layers at load time. fp8_per_row: RTX 40, H100/H200, "
+        io.Combo.Input("quantization", options=[AUTO, *METHODS], default="none",
+                       tooltip="Quantize the DiT's block linear layers at load time. auto: the fastest that fits "
+                       "this GPU (fp8_per_row on RTX 40/50 where the FP8 DiT fits beside the text encoder, else fp8 "
+                       "storage that ComfyUI streams; the log says which). fp8_per_row: RTX 40, H100/H200, "
                        "Blackwell (needs torchao; weights 16 → 8 GB). int8_weight_only: any NVIDIA GPU (needs "
                        "torchao). svdq_*: SVDQuant W4A4 on A100, RTX 30/40/50 with the cache-dit-cu13 build; "
                        "minutes the first time, then reloaded from models/ernie_quantized. See the README."),

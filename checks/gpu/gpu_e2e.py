@@ -46,7 +46,7 @@ WORKFLOWS = ("ernie_image_turbo", "ernie_image_turbo_single_files", "ernie_image
 # workflow's note gives without a shared workflow of their own: its loader with the LoRA workflow's LoRA, and the
 # Turbo workflow with the fp8 text encoder (the 24 GB card's bf16 recipe).
 DERIVED = {
-    "ernie_image_low_vram_lora": ("ernie_image_turbo_lora", {"quantization": "fp8_per_row",
+    "ernie_image_low_vram_lora": ("ernie_image_turbo_lora", {"quantization": "auto",
                                                              "text_encoder_weight_dtype": "fp8_e4m3fn"}),
     "ernie_image_turbo_te_fp8": ("ernie_image_turbo", {"text_encoder_weight_dtype": "fp8_e4m3fn"}),
 }
@@ -61,6 +61,7 @@ FORK_DIRS = (REPO / ".gpu-fork" / "src", Path(os.environ.get("ERNIE_NEWCORE_WORK
 MODES = {
     "default": ("", None), "lowvram": ("--lowvram", None), "novram": ("--novram", None),
     "card24": ("--disable-cuda-malloc", 24.0), "card16": ("--disable-cuda-malloc", 16.0),
+    "card12": ("--disable-cuda-malloc", 12.0), "card8": ("--disable-cuda-malloc", 8.0),
     "gpu-only": ("--gpu-only", None), "highvram": ("--highvram", None),
     "fp16-unet": ("--fp16-unet", None), "fp8-unet": ("--fp8_e4m3fn-unet", None), "bf16-unet": ("--bf16-unet", None),
 }
