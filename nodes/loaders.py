@@ -9,7 +9,7 @@ from pathlib import Path
 import folder_paths
 from comfy_api.v0_0_2 import io
 
-from .accel.compile import compiles_by_default
+from .accel.compile import compiles_by_default, fp8_cast_problem
 from .accel.patching import compile_by_default
 from .choices import SNAPSHOTS, ModelList, files
 from .dit.build import load_dit
@@ -58,7 +58,9 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, 
     )
     # Core's mixed-precision layers under torch.compile are unverified (they have not run on a GPU): a file held in
     # them stays eager unless ErnieImageCompile asks, as do the methods that say so.
-    compiles = compiles_by_default(device) and method.compiles and not getattr(dit, "quant_formats", None)
+    # Blocks stored in fp8 compile only where Triton converts fp8 (sm89+).
+    compiles = (compiles_by_default(device) and method.compiles and not getattr(dit, "quant_formats", None)
+                and fp8_cast_problem(dit.layers, device) is None)
     # Compiled blocks need their weights on the GPU: where the whole DiT fits there, core's classic patcher keeps
     # it so (as core's compile node demotes a dynamic model); elsewhere core's own choice streams it.
     resident = disable_dynamic or (compiles and fits_whole(module_bytes(dit), device))

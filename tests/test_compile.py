@@ -12,7 +12,7 @@ import torch._inductor.config
 from torch._dynamo.utils import counters
 
 from comfyui_ernie_image.nodes.accel.cache_presets import CacheSettings
-from comfyui_ernie_image.nodes.accel.compile import compile_problem, compiles_by_default
+from comfyui_ernie_image.nodes.accel.compile import compile_problem, compiles_by_default, fp8_cast_problem
 from comfyui_ernie_image.nodes.accel.patching import (
     COMPILE_KEY,
     SAMPLER_SAMPLE,
@@ -172,3 +172,20 @@ def test_a_lora_under_cache_and_compile_is_correct_and_a_new_strength_does_not_r
         graph_counts.append(graphs())
     assert graph_counts[1] == graph_counts[0], "a new LoRA strength recompiled the blocks"
     assert torch.equal(sample(plain, **TURBO), plain_result)  # no patch left in the shared module
+
+
+@pytest.mark.parametrize("storage", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_stored_blocks_compile_only_where_triton_converts_fp8(tiny_models, storage):
+    """RTX 30 and A100 (sm80/86): Triton cannot build a compiled fp8 -> bf16 cast, so blocks stored in fp8 stay
+    eager there, with the reason; sm89+ compiles them; bf16 blocks compile everywhere from sm80."""
+    from comfyui_ernie_image.nodes.dit.build import load_dit
+
+    cuda = torch.device("cuda", 0)  # the capability is given: nothing runs on it
+    fp8 = load_dit(tiny_models["snapshot"], torch.bfloat16, storage).layers
+    bf16 = load_dit(tiny_models["snapshot"], torch.bfloat16).layers
+    for capability in ((8, 0), (8, 6)):
+        problem = fp8_cast_problem(fp8, cuda, capability)
+        assert problem is not None and f"sm{capability[0]}{capability[1]}" in problem and "eager" in problem
+        assert fp8_cast_problem(bf16, cuda, capability) is None
+    assert fp8_cast_problem(fp8, cuda, (8, 9)) is None and fp8_cast_problem(fp8, cuda, (12, 0)) is None
+    assert fp8_cast_problem(fp8, torch.device("cpu")) is None  # the limit is Triton's (CUDA), not the CPU backend's

@@ -26,6 +26,10 @@ import torch
 
 MODES = ("default", "max-autotune-no-cudagraphs")
 DEFAULT_MIN_CAPABILITY = (8, 0)  # Ampere and later: bf16 tensor cores, where Triton's kernels are at home
+# Triton converts float8_e4m3fn only from Ada on: a compiled fp8 -> bf16 cast fails to build on RTX 30 and A100
+# ("fp8e4nv data type is not supported on CUDA arch < 89": triton-lang/triton#4319, pytorch/pytorch#167082).
+FP8_CAST_MIN_CAPABILITY = (8, 9)
+FP8_STORAGE = (torch.float8_e4m3fn, torch.float8_e5m2)
 # The compiled variants one ComfyUI process may meet: weight dtypes (bf16, fp32, torchao's FP8 and INT8 weights) x
 # batch (1, or cond and uncond batched) x attention mask (none, or texts of other lengths padded), with room to spare.
 # dynamo's default (8) would run the rest eager, silently.
@@ -72,6 +76,21 @@ def compiles_by_default(device: torch.device, capability: tuple[int, int] | None
     if capability is None:
         capability = torch.cuda.get_device_capability(device)
     return tuple(capability) >= DEFAULT_MIN_CAPABILITY
+
+
+def fp8_cast_problem(blocks: torch.nn.Module, device: torch.device,
+                     capability: tuple[int, int] | None = None) -> str | None:
+    """Why ``blocks`` cannot be compiled on ``device``: their weights are stored in fp8 (cast to the compute dtype
+    per layer) on a GPU where Triton cannot convert fp8; None where they can (``capability`` read from the device
+    when not given). torchao's FP8 weights are not meant: they run only on sm89+ anyway."""
+    if device.type != "cuda" or not any(p.dtype in FP8_STORAGE for p in blocks.parameters()):
+        return None
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) >= FP8_CAST_MIN_CAPABILITY:
+        return None
+    return (f"their weights are stored in fp8, which Triton converts only on sm89 or newer (RTX 40/50, H100), not "
+            f"on this sm{capability[0]}{capability[1]} GPU: they run eager, cast per layer as core's fp8 models do")
 
 
 def _tensors(values) -> Iterator[torch.Tensor]:

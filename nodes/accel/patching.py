@@ -43,7 +43,7 @@ from ..host.sampling import (
 )
 from .cache import CacheRun, check_block_count, step_index, stored_streams
 from .cache_presets import CacheSettings
-from .compile import RegionalCompile, compile_problem, compile_settings, compiles_by_default
+from .compile import RegionalCompile, compile_problem, compile_settings, compiles_by_default, fp8_cast_problem
 
 log = logging.getLogger(__name__)
 CACHE_KEY, COMPILE_KEY = "ernie_image_cache_dit", "ernie_image_compile"
@@ -131,19 +131,23 @@ def _compile_sampler_sample(executor, *args, **kwargs):
     holder, blocks_name = dit_blocks(patcher)
     blocks = getattr(holder, blocks_name)
     mode = extra_args["model_options"]["transformer_options"][COMPILE_KEY]
-    regional = RegionalCompile(blocks, mode, torch.device(patcher.load_device))
+    device = torch.device(patcher.load_device)
+    regional = RegionalCompile(blocks, mode, device)
+    fp8 = fp8_cast_problem(blocks, device)
     _announce_compile()
     try:
-        compiled = 0 if is_dynamic(patcher) else regional.install()
-        _say_compiled(compiled, len(blocks), is_dynamic(patcher))
+        compiled = 0 if is_dynamic(patcher) or fp8 else regional.install()
+        _say_compiled(compiled, len(blocks), is_dynamic(patcher), fp8)
         with compile_settings():
             return executor(*args, **kwargs)
     finally:
         regional.remove()
 
 
-def _say_compiled(compiled: int, blocks: int, dynamic: bool) -> None:
-    if dynamic:
+def _say_compiled(compiled: int, blocks: int, dynamic: bool, fp8: str | None = None) -> None:
+    if fp8:
+        why = fp8
+    elif dynamic:
         why = ("ComfyUI's dynamic VRAM streams this MODEL's weights layer by layer. An ERNIE-Image Compile node "
                "before the sampler gives it a copy ComfyUI keeps on the GPU (as ComfyUI's own compile node does), "
                "or start ComfyUI with --disable-dynamic-vram")
@@ -151,8 +155,8 @@ def _say_compiled(compiled: int, blocks: int, dynamic: bool) -> None:
         why = "the others' weights stream from the CPU (ComfyUI loaded the DiT in part) and run eager"
     else:
         why = ""
-    log.log(logging.WARNING if dynamic else logging.INFO, "ERNIE-Image: compiled %d of %d DiT blocks%s", compiled,
-            blocks, f": {why}" if why else "")
+    level = logging.WARNING if dynamic or fp8 else logging.INFO
+    log.log(level, "ERNIE-Image: compiled %d of %d DiT blocks%s", compiled, blocks, f": {why}" if why else "")
 
 
 @functools.cache  # once per process

@@ -7,7 +7,8 @@ part:
   ``BESIDE_THE_DIT`` counts: ``fp8_per_row`` (torchao's FP8 matmul; the whole DiT stays on the card).
 - Elsewhere, ``none`` with ``weight_dtype`` ``fp8_e4m3fn``: the blocks' weights stored in fp8 and cast to the
   compute dtype as each layer runs (core's own fp8 storage). It runs on every CUDA GPU, takes LoRAs as core does,
-  and core's partial loading streams what does not fit. On RTX 30 (sm80/86) that is bf16 compute; on RTX 20 and
+  and core's partial loading streams what does not fit. On RTX 30 (sm80/86) that is bf16 compute, eager (Triton
+  cannot compile an fp8 cast below sm89: ``accel/compile.fp8_cast_problem``); on RTX 20 and
   older (no bf16) the DiT computes in fp32 (``dit/precision.py``: it never computes in fp16, whose range the
   bf16-trained weights exceed), so a step's activations take twice the memory.
   ``int8_weight_only`` would also run on RTX 30, but ComfyUI must then load the DiT whole and its eager matmul
@@ -55,8 +56,8 @@ def choose(facts: Facts, capacity: int, dit_fp8_bytes: int, weight_dtype: str) -
     where = f"{facts.gpu or facts.device} (sm{facts.arch[0]}{facts.arch[1]}, {capacity / GIB:.1f} GiB for models)"
     needed = dit_fp8_bytes + BESIDE_THE_DIT
     if facts.arch < FP8_MIN_ARCH:
-        return _fp8_storage(f"{where} has no FP8 matmul: fp8 storage, cast to the compute dtype per layer (ComfyUI "
-                            "streams what does not fit)")
+        return _fp8_storage(f"{where} has no FP8 matmul: fp8 storage, cast to the compute dtype per layer, eager "
+                            "(ComfyUI streams what does not fit)")
     if needed > capacity:
         return _fp8_storage(f"the FP8 DiT and what a prompt needs beside it ({needed / GIB:.1f} GiB) do not fit "
                             f"{where}: fp8 storage, which ComfyUI streams in part")
