@@ -59,6 +59,12 @@ def use_fp8_linears(model: torch.nn.Module) -> list[str]:
     return names
 
 
+def holds_fp8(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has fp8 linears (asked for, or read from a file in core's fp8 layout): what runs it may
+    depend on it (a compiler that cannot cast fp8)."""
+    return any(isinstance(module, Fp8Linear) for module in model.modules())
+
+
 def linear_bytes(model: torch.nn.Module) -> int:
     """The bytes the decoder linears' weights hold (fp8 or not; stacked gate and up ones too), for the reports that
     compare them with bf16."""
