@@ -20,6 +20,8 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 # The decoder layers' projections: what is stored in fp8 (``model.layers.<i>.self_attn.q_proj.weight`` …, or
 # ``layers.<i>.…`` in the language model alone, the text encoder).
 DECODER_LINEAR = re.compile(r"^(model\.)?layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+# The PE stacks each layer's gate and up projections into one after loading (``pe/local/fused.py``).
+FUSED_LINEAR = re.compile(r"^(model\.)?layers\.\d+\.mlp\.gate_up_proj\.weight$")
 
 
 class Fp8Linear(torch.nn.Module):
@@ -57,6 +59,14 @@ def use_fp8_linears(model: torch.nn.Module) -> list[str]:
     return names
 
 
+def holds_fp8(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has fp8 linears (asked for, or read from a file in core's fp8 layout): what runs it may
+    depend on it (a compiler that cannot cast fp8)."""
+    return any(isinstance(module, Fp8Linear) for module in model.modules())
+
+
 def linear_bytes(model: torch.nn.Module) -> int:
-    """The bytes the decoder linears' weights hold (fp8 or not), for the reports that compare them with bf16."""
-    return sum(t.nelement() * t.element_size() for name, t in model.named_parameters() if DECODER_LINEAR.match(name))
+    """The bytes the decoder linears' weights hold (fp8 or not; stacked gate and up ones too), for the reports that
+    compare them with bf16."""
+    return sum(t.nelement() * t.element_size() for name, t in model.named_parameters()
+               if DECODER_LINEAR.match(name) or FUSED_LINEAR.match(name))

@@ -8,6 +8,9 @@ arrives, at ``execute``, against what the node itself declares in ``define_schem
 at schema time, such as the devices or the model files, is computed again and checked against), Int and Float
 min/max, and the Python type of Int, Float, Boolean and String values. One rule for every node: ``guard_nodes`` wraps
 each node's ``execute`` when the extension lists its nodes, so a node added later is checked without code of its own.
+
+Inputs that several features declare alike live here too, so that no feature imports another for them: the weight
+storage of the two Ministral models (the text encoder and the PE), ``lm_weight_dtype_input``.
 """
 
 from __future__ import annotations
@@ -135,6 +138,23 @@ def guard(node: type[io.ComfyNode]) -> type[io.ComfyNode]:
     execute._inputs_checked = True
     node.execute = classmethod(execute)
     return node
+
+
+LM_WEIGHT_DTYPES = ("default", "fp8_e4m3fn")  # the Ministral models' weight storage (``fp8_linear``)
+
+
+def lm_weight_dtype_input(name: str, what: str, note: str = "") -> io.Combo.Input:
+    """The weight storage of a Ministral model (``what``: "text encoder", "prompt enhancer"), one input for both so
+    they read alike; optional, so that workflows saved before it load unchanged. ``note``: a sentence of its own."""
+    return io.Combo.Input(name, options=list(LM_WEIGHT_DTYPES), default="default", optional=True,
+                          tooltip="default: as loaded (bf16 on GPUs that run it well; an fp8 file stays fp8). "
+                          f"fp8_e4m3fn: the {what}'s decoder layers in fp8 (about half its memory), cast to the "
+                          f"compute dtype as each layer runs: any GPU and the CPU.{' ' + note if note else ''}")
+
+
+def wants_fp8(weight_dtype: str) -> bool:
+    """Whether ``lm_weight_dtype_input``'s value asks for fp8 (an fp8 file is fp8 either way)."""
+    return weight_dtype == "fp8_e4m3fn"
 
 
 def guard_nodes(nodes: Iterable[type[io.ComfyNode]]) -> list[type[io.ComfyNode]]:

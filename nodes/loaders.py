@@ -20,7 +20,8 @@ from .dit.vae import load_snapshot_vae
 from .dit.weights import tensor_locations
 from .host.memory import capacity, fits_whole, torch_device, usable_memory
 from .host.sizes import module_bytes
-from .pe.nodes import snapshot_pe
+from .inputs import wants_fp8
+from .pe.nodes import pe_weight_dtype_input, snapshot_pe
 from .quant.capability import METHODS, probe
 from .quant.choice import AUTO, choose, fp8_bytes
 from .quant.quantize import load_quantized_dit
@@ -100,6 +101,7 @@ class ErnieImageLoader(io.ComfyNode):
                 *_weight_inputs(),
                 text_encoder_device_input("text_encoder_device"),
                 text_encoder_weight_dtype_input("text_encoder_weight_dtype"),
+                pe_weight_dtype_input("pe_weight_dtype"),
             ],
             outputs=[
                 io.Model.Output(),
@@ -115,14 +117,15 @@ class ErnieImageLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, model_name: str, weight_dtype: str = "default", quantization: str = "none",
-                text_encoder_device: str = "default", text_encoder_weight_dtype: str = "default") -> io.NodeOutput:
+                text_encoder_device: str = "default", text_encoder_weight_dtype: str = "default",
+                pe_weight_dtype: str = "default") -> io.NodeOutput:
         snapshot = SNAPSHOT_MODELS.resolve(model_name).path
         model = _load_model(snapshot, weight_dtype, quantization, snapshot_shift(snapshot))
         return io.NodeOutput(
             model,
-            ManagedTextEncoder.from_snapshot(snapshot, text_encoder_device, text_encoder_weight_dtype == "fp8_e4m3fn"),
+            ManagedTextEncoder.from_snapshot(snapshot, text_encoder_device, wants_fp8(text_encoder_weight_dtype)),
             load_snapshot_vae(snapshot),
-            snapshot_pe(snapshot),
+            snapshot_pe(snapshot, pe_weight_dtype),
         )
 
 

@@ -1,16 +1,19 @@
-"""The text encoder and the PE with their decoder linears in fp8: bytes, embedding error against bf16, and core's
-fp8 file layouts loading as fp8 without a bf16 copy."""
+"""The text encoder with its decoder linears in fp8: bytes, embedding error against bf16, core's fp8 file layouts
+loading as fp8 without a bf16 copy, and its loader node through a running ComfyUI (the PE's: test_pe_fp8.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.fp8_linear import FP8, Fp8Linear, linear_bytes, quantize_rows
 from comfyui_ernie_image.nodes.text.encoder import ErnieTextEncoder
 from helpers.quant_files import comfy_quant_fp8, scaled_fp8
+from helpers.workflows import text_to_image
 
 PROMPTS = ["a red cat sits on a blue mat", "一只 红色 的 猫"]
 # Measured on the tiny model (bf16 compute, 2026-12-01): the fp8 encoder's embeddings (per-row scales) 0.037–0.041
@@ -87,3 +90,23 @@ def test_the_loader_node_holds_fp8_only_when_asked(comfy_paths, tiny_models):
     saved_before = ErnieImageTextEncoderLoader.execute(name, "cpu").result[0]  # a workflow without the input
     assert any(isinstance(m, Fp8Linear) for m in asked.encoder.language_model.modules())
     assert not any(isinstance(m, Fp8Linear) for m in saved_before.encoder.language_model.modules())
+
+
+def test_e2e_the_loader_node_runs_fp8_in_a_running_comfyui(comfy_server):
+    """Through ComfyUI's executor: the text encoder loader with weight_dtype fp8_e4m3fn, and as saved before the
+    input existed, each to an image; the fp8 encoder's embeddings change the image."""
+    images = {}
+    for weight_dtype in ("fp8_e4m3fn", None):
+        graph = text_to_image(snapshot="diffusers/ERNIE-Image-Turbo-tiny", prompt="a red cat", steps=2)
+        loader = {"model_name": "text_encoders/ministral-3-3b-tiny.safetensors", "device": "default"}
+        graph["text_encoder"] = {"class_type": "ErnieImageTextEncoderLoader",
+                                 "inputs": loader if weight_dtype is None else {**loader, "weight_dtype": weight_dtype}}
+        for encode in ("positive", "negative"):
+            graph[encode]["inputs"]["text_encoder"] = ["text_encoder", 0]
+        result = comfy_server.run(graph)
+        assert result.status == "success", result.messages
+        (path,) = [p for p in comfy_server.output_images(result) if p.is_file()]
+        images[weight_dtype] = np.asarray(Image.open(path)).astype(int)
+    difference = np.abs(images["fp8_e4m3fn"] - images[None]).mean()
+    print(f"fp8 vs default text encoder in the graph: the image differs by {difference:.2f} of 255 on average")
+    assert difference > 0

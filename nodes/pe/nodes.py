@@ -14,6 +14,7 @@ import folder_paths
 from comfy_api.v0_0_2 import io, ui
 
 from ..host.memory import device_options
+from ..inputs import lm_weight_dtype_input, wants_fp8
 from ..sockets import ErniePEType
 from .cache import CACHE_MODES, ResultCache, enhance_cached
 from .comfy_runtime import ComfyRuntime
@@ -28,6 +29,12 @@ from .protocol import (
     SamplingParams,
 )
 from .remote.enhancer import RemotePromptEnhancer
+
+
+def pe_weight_dtype_input(name: str) -> io.Combo.Input:
+    """The local PE's weight storage (the PE loader's and the all-in-one loader's): optional, last."""
+    return lm_weight_dtype_input(name, "prompt enhancer", "It saves memory, not time, and the enhanced text may "
+                                 "differ a little from bf16's.")
 
 
 class ErnieImagePELoader(io.ComfyNode):
@@ -47,6 +54,7 @@ class ErnieImagePELoader(io.ComfyNode):
                 io.Combo.Input("dtype", options=["auto", *DTYPES], default="auto",
                                tooltip="auto: as ComfyUI's text encoders: bf16 on GPUs that compute in it (NVIDIA from "
                                "Ampere on), float32 elsewhere (the CPU, older GPUs)."),
+                pe_weight_dtype_input("weight_dtype"),
             ],
             outputs=[ErniePEType.Output(display_name="PE")],
         )
@@ -56,9 +64,10 @@ class ErnieImagePELoader(io.ComfyNode):
         return PE_MODELS.check(model_name)
 
     @classmethod
-    def execute(cls, model_name: str, device: str = "default", dtype: str = "auto") -> io.NodeOutput:
+    def execute(cls, model_name: str, device: str = "default", dtype: str = "auto",
+                weight_dtype: str = "default") -> io.NodeOutput:
         return io.NodeOutput(LocalPromptEnhancer.from_path(pe_path(model_name), device=device, dtype=dtype,
-                                                          runtime=ComfyRuntime()))
+                                                          runtime=ComfyRuntime(), fp8=wants_fp8(weight_dtype)))
 
 
 class ErnieImagePERemote(io.ComfyNode):
@@ -96,9 +105,10 @@ class ErnieImagePERemote(io.ComfyNode):
                                                   runtime=ComfyRuntime()))
 
 
-def snapshot_pe(snapshot: Path) -> LocalPromptEnhancer | None:
-    """The PE of a snapshot folder on ComfyUI's host, lazy (the all-in-one loader's); None when it has no ``pe/``."""
-    return LocalPromptEnhancer.from_snapshot(snapshot, runtime=ComfyRuntime())
+def snapshot_pe(snapshot: Path, weight_dtype: str = "default") -> LocalPromptEnhancer | None:
+    """The PE of a snapshot folder on ComfyUI's host, lazy (the all-in-one loader's); None when it has no ``pe/``.
+    ``weight_dtype``: a value of ``pe_weight_dtype_input``."""
+    return LocalPromptEnhancer.from_snapshot(snapshot, runtime=ComfyRuntime(), fp8=wants_fp8(weight_dtype))
 
 
 @functools.cache

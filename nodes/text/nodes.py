@@ -6,6 +6,7 @@ from comfy_api.v0_0_2 import io
 
 from ..choices import SNAPSHOTS, ModelList, files
 from ..host.memory import device_options
+from ..inputs import lm_weight_dtype_input, wants_fp8
 from ..paths import is_prompt_enhancer_file, model_file_path
 from ..sockets import ErnieTextEncoderType
 from .managed import ManagedTextEncoder
@@ -31,15 +32,9 @@ def text_encoder_device_input(name: str) -> io.Combo.Input:
                           "the encoder at all). cpu or another GPU keeps it off the DiT's card.")
 
 
-TEXT_WEIGHT_DTYPES = ("default", "fp8_e4m3fn")
-
-
 def text_encoder_weight_dtype_input(name: str) -> io.Combo.Input:
-    """The text encoder's weight storage: optional, so that workflows saved before it load unchanged."""
-    return io.Combo.Input(name, options=list(TEXT_WEIGHT_DTYPES), default="default", optional=True,
-                          tooltip="default: as loaded (bf16 on GPUs that run it well; an fp8 file stays fp8). "
-                          "fp8_e4m3fn: the decoder layers' weights in fp8 (about half the memory), cast to the "
-                          "compute dtype as each layer runs: any GPU and the CPU.")
+    """The text encoder's weight storage (its loader's and the all-in-one loader's): optional, last."""
+    return lm_weight_dtype_input(name, "text encoder")
 
 
 class ErnieImageTextEncoderLoader(io.ComfyNode):
@@ -67,7 +62,7 @@ class ErnieImageTextEncoderLoader(io.ComfyNode):
     @classmethod
     def execute(cls, model_name: str, device: str = "default", weight_dtype: str = "default") -> io.NodeOutput:
         model = TEXT_ENCODER_MODELS.resolve(model_name)
-        fp8 = weight_dtype == "fp8_e4m3fn"
+        fp8 = wants_fp8(weight_dtype)
         if model.folder == SNAPSHOTS.folder:
             return io.NodeOutput(ManagedTextEncoder.from_snapshot(model.path, device, fp8))
         return io.NodeOutput(ManagedTextEncoder.from_single_file(model.path, device, fp8))

@@ -4,6 +4,11 @@ On CUDA with a working compiler, decoding takes the static-cache fast path (``de
 plain ``generate`` (``decode.PlainDecoder``), which also takes over, for good, from a fast path that fails alone.
 Where the weights live and how generation stops are the host's business (``Runtime``): plain torch by default,
 ComfyUI's model management and interrupt (``comfy_runtime``) where the nodes pass it in.
+
+With fp8 weights (``fp8``, or a file in core's fp8 layout) the decoders are the same: they call the model's layers,
+and an fp8 layer casts its weight to the compute dtype as it runs. Only the compiled step needs a GPU whose compiler
+can cast fp8 (Triton: CUDA capability 8.9 on, RTX 40 / Ada, Hopper); on older GPUs "auto" takes plain ``generate``
+for fp8 weights and says so, rather than failing a compilation (pytorch/pytorch#167082) before falling back anyway.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ...fp8_linear import holds_fp8
 from ...host.sizes import CacheSized
 from ...model_files import builds_weights, read_json
 from ..protocol import Completion, GenerationStopped, PromptSpec, ResultCallback, SamplingParams
@@ -42,7 +48,8 @@ class LocalPromptEnhancer(CacheSized):
 
     ``device``: ``"default"`` or a torch device name; ``dtype``: ``"auto"`` (the host's choice, ``Runtime.dtype``) or
     a key of ``DTYPES``; ``decode``: one of ``DECODE_MODES`` (``"auto"``: the compiled static-cache path on CUDA, plain
-    ``generate`` elsewhere); ``runtime``: the host (plain torch when None).
+    ``generate`` elsewhere); ``runtime``: the host (plain torch when None); ``fp8``: the decoder layers' linears held
+    in fp8 (half their memory; the LM head and embeddings stay in ``dtype``, which they all compute in).
     """
 
     def __init__(
@@ -52,12 +59,13 @@ class LocalPromptEnhancer(CacheSized):
         dtype: str = "auto",
         decode: str = "auto",
         runtime: Runtime | None = None,
+        fp8: bool = False,
     ):
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
-        self.source, self.device_name, self.dtype_name, self.decode = source, device, dtype, decode
+        self.source, self.device_name, self.dtype_name, self.decode, self.fp8 = source, device, dtype, decode, fp8
         self.runtime = runtime or Runtime()
         self._model = self._tokenizer = self._load = None
         self._decoder: Decoder | None = None  # set with the model
@@ -76,18 +84,21 @@ class LocalPromptEnhancer(CacheSized):
     @property
     def identity(self) -> str:
         """Everything that changes the text: the weight and tokenizer files, the chat template, and the dtype, device
-        and decode path as this handle resolves "auto" and "default" (the same before and after loading)."""
+        and decode path as this handle resolves "auto" and "default" (the same before and after loading); fp8
+        weights when asked for (a file stored in fp8 is named by its own identity)."""
         device = self.runtime.device(self.device_name)
         dtype = str(self._dtype(device)).removeprefix("torch.")
-        return (f"local:{self.source.identity()}|template={_template_digest(self.source)}|dtype={dtype}"
+        weights = "|weights=fp8_e4m3fn" if self.fp8 else ""  # absent for default: texts cached before it stay valid
+        return (f"local:{self.source.identity()}|template={_template_digest(self.source)}|dtype={dtype}{weights}"
                 f"|device={_device_label(device)}|decode={self._decode_path(device)}")
 
     def _dtype(self, device: torch.device) -> torch.dtype:
         return DTYPES.get(self.dtype_name) or self.runtime.dtype(device)
 
     def _decode_path(self, device: torch.device) -> str:
-        """The decode path: once loaded, the one in use (a failed fast path falls back to generate for good)."""
-        return _resolve_decode(self.decode, device) if self._model is None else self._decoder.name
+        """The decode path: once loaded, the one in use (a failed fast path falls back to generate for good; a file
+        stored in fp8 is known to be so once read, on a GPU whose compiler cannot cast fp8 too)."""
+        return _resolve_decode(self.decode, device, self.fp8) if self._model is None else self._decoder.name
 
     @property
     def loaded(self) -> bool:
@@ -98,16 +109,17 @@ class LocalPromptEnhancer(CacheSized):
         return [] if self._model is None else [*self._model.parameters(), *self._model.buffers()]
 
     def __repr__(self) -> str:
-        return f"LocalPromptEnhancer({self.source.weights}, device={self.device_name}, dtype={self.dtype_name})"
+        fp8 = ", fp8" if self.fp8 else ""
+        return f"LocalPromptEnhancer({self.source.weights}, device={self.device_name}, dtype={self.dtype_name}{fp8})"
 
     @builds_weights  # the enhance node runs in inference mode; the fused gate/up weights are made here too
     def _ensure_loaded(self) -> None:
         if self._model is not None:
             return
         device = self.runtime.device(self.device_name)
-        model, tokenizer = self.source.load(self._dtype(device))
+        model, tokenizer = self.source.load(self._dtype(device), self.fp8)
         fuse_mlp_projections(model)  # one product for gate and up: decode steps stream the weights faster
-        mode = _resolve_decode(self.decode, device)
+        mode = _resolve_decode(self.decode, device, holds_fp8(model), log=True)
         self._decoder = PlainDecoder(model) if mode == "generate" else StaticDecoder(model, mode == "static-compiled")
         self._load = self.runtime.manage(model, device, on_unload=self._release_caches)
         self._model, self._tokenizer, self._device = model, tokenizer, device
@@ -233,11 +245,28 @@ class LocalPromptEnhancer(CacheSized):
         return Completion(text, truncated=end is None and len(tokens) >= params.max_new_tokens)
 
 
-def _resolve_decode(mode: str, device: torch.device) -> str:
-    """``auto``: the compiled static-cache path on CUDA with a compiler, plain ``generate`` elsewhere."""
+def _resolve_decode(mode: str, device: torch.device, fp8: bool = False, log: bool = False) -> str:
+    """``auto``: the compiled static-cache path on CUDA with a compiler, plain ``generate`` elsewhere, and for fp8
+    weights where the compiler cannot cast fp8 (``log``: say so, once per load)."""
     if mode != "auto":
         return mode
-    return "static-compiled" if device.type == "cuda" and _compiler_available() else "generate"
+    if device.type != "cuda" or not _compiler_available():
+        return "generate"
+    if fp8 and not _compiles_fp8(device):
+        if log:
+            logging.warning("ERNIE-Image PE: fp8 weights on %s (CUDA capability %d.%d): its compiler cannot cast fp8 "
+                            "(8.9 and later can), so the PE decodes with plain generate, slower than the compiled "
+                            "path; a bf16 PE (weight_dtype default) keeps the fast path",
+                            torch.cuda.get_device_name(device), *torch.cuda.get_device_capability(device))
+        return "generate"
+    return "static-compiled"
+
+
+def _compiles_fp8(device: torch.device) -> bool:
+    """Whether Triton, and so the compiled decode step, can cast fp8 (``float8_e4m3fn``) on this CUDA device: from
+    capability 8.9 on; before, a compiled cast fails ("type fp8e4nv not supported in this architecture",
+    pytorch/pytorch#167082). ROCm reports its own numbers; it is left to the fallback of ``_generate``."""
+    return torch.version.hip is not None or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _device_label(device: torch.device) -> str:

@@ -8,12 +8,18 @@ bandwidth. The gate and up matrices are half of the PE's weights and read the sa
 
 The weights are stacked after loading, in place: the loaded state dict keeps transformers' names, and nothing
 saves the fused model. Layers without separate gate and up projections are left alone.
+
+fp8 weights (``fp8_linear.Fp8Linear``) stack too, as they are: the fp8 rows one after the other and their scales as
+one per row (a per-tensor scale repeated over its rows), so the stacked layer dequantizes to exactly the two it
+replaces and a decode step still makes one product for both.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ...fp8_linear import Fp8Linear
 
 
 class FusedGatedMLP(nn.Module):
@@ -22,11 +28,7 @@ class FusedGatedMLP(nn.Module):
     def __init__(self, mlp: nn.Module):
         super().__init__()
         gate, up = mlp.gate_proj, mlp.up_proj
-        # Made on the meta device: no random initialisation of a matrix about to be overwritten.
-        self.gate_up_proj = nn.Linear(gate.in_features, 2 * gate.out_features, bias=False, device="meta")
-        with torch.no_grad():
-            stacked = torch.cat([gate.weight, up.weight])
-        self.gate_up_proj.weight = nn.Parameter(stacked, requires_grad=gate.weight.requires_grad)
+        self.gate_up_proj = _stacked(gate, up)
         self.down_proj = mlp.down_proj
         self.act_fn = mlp.act_fn
 
@@ -35,11 +37,32 @@ class FusedGatedMLP(nn.Module):
         return self.down_proj(self.act_fn(gate) * up)
 
 
+def _stacked(gate: nn.Module, up: nn.Module) -> nn.Module:
+    """One layer computing ``cat([gate(x), up(x)], -1)``: a ``Linear``, or an ``Fp8Linear`` for fp8 ones."""
+    # Made on the meta device: no random initialisation of a matrix about to be overwritten.
+    kind = Fp8Linear if isinstance(gate, Fp8Linear) else nn.Linear
+    stacked = kind(gate.in_features, 2 * gate.out_features, bias=False, device="meta")
+    with torch.no_grad():
+        weight = torch.cat([gate.weight, up.weight])
+        if kind is Fp8Linear:
+            stacked.weight_scale = torch.cat([_row_scales(gate), _row_scales(up)])
+    stacked.weight = nn.Parameter(weight, requires_grad=gate.weight.requires_grad)
+    return stacked
+
+
+def _row_scales(layer: Fp8Linear) -> torch.Tensor:
+    """The layer's scale as one per row, ``[out, 1]``, whether it has one per tensor or per row."""
+    return layer.weight_scale.reshape(-1, 1).expand(layer.out_features, 1)
+
+
 def _fusable(mlp: nn.Module) -> bool:
     parts = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-    if not all(isinstance(p, nn.Linear) and p.bias is None for p in parts) or not hasattr(mlp, "act_fn"):
+    linear = (nn.Linear, Fp8Linear)
+    if not all(isinstance(p, linear) and p.bias is None for p in parts) or not hasattr(mlp, "act_fn"):
         return False
-    return parts[0].weight.shape == parts[1].weight.shape
+    # gate and up of one kind: stacked as they are stored (a down projection of either kind is kept as it is)
+    same_kind = isinstance(parts[0], Fp8Linear) == isinstance(parts[1], Fp8Linear)
+    return same_kind and parts[0].weight.shape == parts[1].weight.shape
 
 
 def fuse_mlp_projections(model: nn.Module) -> int:

@@ -9,6 +9,9 @@ Three layouts:
   ``chat_template.jinja`` here is ``pe_tokenizer/chat_template.jinja`` of ``baidu/ERNIE-Image-Turbo``
   (revision bc68c81e, sha256 0c859484…ee974ea), byte for byte.
 
+``fp8``: the decoder layers' linears held in fp8 (``fp8_linear``, read through ``ministral_file``); the LM head, the
+embeddings and the norms stay in the compute dtype. A file in core's fp8 layouts is fp8 either way.
+
 Only safetensors are read and no remote code runs. No ComfyUI.
 """
 
@@ -46,11 +49,12 @@ class PESource:
         digest = hashlib.sha256(json.dumps(file_stamps(files)).encode()).hexdigest()[:16]
         return f"{self.weights.resolve()}#{digest}"
 
-    def load(self, dtype: torch.dtype):
-        """The model (on the CPU, eval mode) and its tokenizer (with a chat template)."""
+    def load(self, dtype: torch.dtype, fp8: bool = False):
+        """The model (on the CPU, eval mode; ``fp8``: its decoder linears in fp8) and its tokenizer (with a chat
+        template)."""
         if self.weights.is_file():
-            return _load_single_file(self.weights, dtype)
-        return _load_folder(self.weights, dtype), _load_tokenizer(self.tokenizer)
+            return _load_single_file(self.weights, dtype, fp8)
+        return _load_folder(self.weights, dtype, fp8), _load_tokenizer(self.tokenizer)
 
 
 def snapshot_source(snapshot: Path) -> PESource | None:
@@ -79,7 +83,7 @@ def path_source(path: Path) -> PESource:
     )
 
 
-def _load_folder(folder: Path, dtype: torch.dtype):
+def _load_folder(folder: Path, dtype: torch.dtype, fp8: bool):
     from transformers import GenerationConfig, Ministral3Config
 
     model_type = read_json(folder / "config.json").get("model_type")
@@ -89,7 +93,7 @@ def _load_folder(folder: Path, dtype: torch.dtype):
         raise EnhancerError(f"{folder} has no .safetensors weights (other weight formats are not loaded)")
     config = read_config(Ministral3Config, folder, "prompt enhancer", EnhancerError)
     model = load_ministral_folder(folder, config, dtype, what="prompt enhancer", error=EnhancerError,
-                                  instead="download the prompt enhancer's folder again")
+                                  instead="download the prompt enhancer's folder again", fp8=fp8)
     if (folder / "generation_config.json").is_file():  # its stop tokens, as transformers' own folder loading reads
         model.generation_config = GenerationConfig.from_pretrained(folder)
     return model
@@ -105,9 +109,10 @@ def _load_tokenizer(folder: Path):
     return tokenizer
 
 
-def _load_single_file(path: Path, dtype: torch.dtype):
+def _load_single_file(path: Path, dtype: torch.dtype, fp8: bool):
     return read_ministral_file(
         path, dtype, what="prompt enhancer", error=EnhancerError,
         instead="use the ERNIE-Image snapshot's pe/ and pe_tokenizer/, or a folder with the weights and the tokenizer",
         chat_template=BAIDU_CHAT_TEMPLATE.read_text(encoding="utf-8"),  # the repack has none
+        fp8=fp8,
     )
