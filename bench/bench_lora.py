@@ -10,7 +10,8 @@ every block linear layer, PEFT layout (``common.write_lora``), read from disk. P
   at the load (> 0: core merged the patches); the file is read just after being written (the OS's cache);
 - Turbo s: 1024x1024 (a 128x64x64 latent), 8 steps, CFG 1, 256 text tokens, ComfyUI's sampler
   (``bench_dit_sampling.comfy_sampling``), eager unless --compile (the loaders' default); warm-up, median of 3.
-A DiT quantized by the loader (torchao fp8_per_row, the loader's path) refuses LoRAs: its row holds the words.
+A DiT quantized by the loader (torchao fp8_per_row) takes LoRAs by re-quantizing the patched layers from its file,
+which needs the file: the GPU check's ``ernie_image_low_vram_lora`` twin measures it (``checks/gpu/gpu_e2e.py``).
 
     python bench/bench_lora.py [--compile] [--out $OUT/lora.json]
     python bench/bench_lora.py --tiny --device cpu    # smoke run: tiny shapes, times and memory are nan
@@ -95,35 +96,6 @@ def measure(patcher, lora_path: Path | None, inputs: tuple) -> dict:
     return row | turbo(patcher, inputs)
 
 
-def torchao_refusal(state: dict, config: dict, lora_path: Path, device: torch.device) -> str:
-    """What the LoRA loader says to a DiT quantized by the loader's path (fp8_per_row), built from ``state`` before
-    any ComfyUI load (a DiT loaded under inference mode holds inference tensors, which torchao cannot quantize)."""
-    from safetensors.torch import load_file
-
-    from comfyui_ernie_image.nodes.dit.build import build_diffusion_model
-    from comfyui_ernie_image.nodes.dit.model import make_model_patcher
-    from comfyui_ernie_image.nodes.dit.weights import tensor_locations
-    from comfyui_ernie_image.nodes.errors import ErnieImageError
-    from comfyui_ernie_image.nodes.host.memory import usable_memory
-    from comfyui_ernie_image.nodes.lora.patching import apply_lora
-    from comfyui_ernie_image.nodes.quant.quantize import load_quantized_dit
-
-    dit = build_diffusion_model(state, config, torch.bfloat16)
-    note = "quantized fp8_per_row by the loader's path"
-    try:
-        with tempfile.TemporaryDirectory() as cache:
-            dit = load_quantized_dit(lambda: dit, "fp8_per_row", source=Path("random"), locate=tensor_locations,
-                                     dtype=torch.bfloat16,
-                                     device=device, free_memory=usable_memory, cache_root=Path(cache))
-    except Exception as error:  # a benchmark reports what it can: the refusal below is the whole patcher's
-        note = f"not quantized here ({type(error).__name__}: {error}); the bf16 DiT in the loader's quantized MODEL"
-    try:
-        apply_lora(make_model_patcher(dit, whole=True), load_file(lora_path), 1.0, lora_path.name)
-        return f"{note}: LoRA accepted (unexpected)"
-    except ErnieImageError as error:
-        return f"{note}: {error}"
-
-
 def main() -> None:
     global CUDA
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -132,7 +104,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="the loaders' default compile of the blocks")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")) / "lora.json")
     args = parser.parse_args()
-    device, CUDA = torch.device(args.device), args.device != "cpu"
+    CUDA = args.device != "cpu"
     use_comfyui(cpu=not CUDA)
     from comfyui_ernie_image.nodes.accel.patching import compile_by_default
     from comfyui_ernie_image.nodes.dit.build import build_diffusion_model
@@ -150,7 +122,6 @@ def main() -> None:
     dits = {"fp8_e4m3fn": build_diffusion_model(state, config, torch.bfloat16, torch.float8_e4m3fn),
             "bf16": build_diffusion_model(state, config, torch.bfloat16)}
     patchers = {name: make_model_patcher(dit) for name, dit in dits.items()}  # on the CPU, as the loader leaves it
-    refusal = torchao_refusal(state, config, lora_path, device)
     del transformer, state
     text = torch.randn(tokens, shape["text_in_dim"], dtype=torch.bfloat16)
     inputs = (torch.randn(1, shape["in_channels"], side, side), text, text[:40], reference_sigmas(8), 1.0)
@@ -162,7 +133,6 @@ def main() -> None:
                          extra_peak_gib=with_lora["load_peak_gib"] - plain["load_peak_gib"])
         rows += [dict(weights=name, **plain), dict(weights=name, **with_lora)]
         print(rows[-2], rows[-1], sep="\n", flush=True)
-    rows.append(dict(weights="fp8_per_row (torchao)", lora=True, refused=refusal))
     unload()
 
     lora_mib = lora_path.stat().st_size / 2**20
@@ -171,9 +141,6 @@ def main() -> None:
           "peak | warm Turbo s (peak GiB) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        if "refused" in r:
-            print(f"| {r['weights']} | refused | {r['refused']} | | | | |")
-            continue
         split = f" ({r['read_s']:.2f} + {r['apply_s']:.2f} + {r['gpu_load_s']:.2f})" if r["lora"] else ""
         extra = f"{r['extra_resident_gib']:+.2f} / {r['extra_peak_gib']:+.2f}" if r["lora"] else "—"
         lora = f"rank {rank} (max weight Δ {r['weight_change']:.1e})" if r["lora"] else "none"
