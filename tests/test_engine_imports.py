@@ -44,7 +44,7 @@ PLAIN_HOST = ["host/__init__.py", "host/sizes.py"]
 COMFY_SIDE = [
     "extension.py", "inputs.py", "paths.py", "choices.py", "loaders.py", "sockets.py",
     "accel/nodes.py", "accel/patching.py",
-    "dit/build.py", "dit/model.py", "dit/nodes.py", "dit/precision.py", "dit/vae.py",
+    "dit/build.py", "dit/gguf.py", "dit/model.py", "dit/nodes.py", "dit/precision.py", "dit/vae.py",
     "lora/nodes.py", "lora/patching.py",
     "pe/comfy_runtime.py", "pe/locate.py", "pe/nodes.py",
     "text/managed.py", "text/nodes.py",
