@@ -37,10 +37,6 @@ def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
     return blocks[:, offset:offset + 2].contiguous().view(torch.float16).float()
 
 
-def _shifts(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.uint8, device=device).view(1, 1, -1, 1)
-
-
 def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return blocks[:, 2:].contiguous().view(torch.int8).float() * _f16(blocks, 0)
 
@@ -55,11 +51,14 @@ def _scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scales.float(), mins.float()
 
 
+# The bit fields are taken apart with shifts by Python numbers and stacked, not by broadcasting a tensor of shifts:
+# such a tensor made on the GPU at every call would be a host-to-device copy that waits for the GPU.
 def _nibbles(quants: torch.Tensor) -> torch.Tensor:
     """128 bytes → 8 sub-blocks of 32 four-bit values: each 32 bytes give a sub-block of low, then one of high
     nibbles."""
     n = quants.shape[0]
-    return ((quants.reshape(n, 4, 1, 32) >> _shifts((0, 4), quants.device)) & 0x0F).reshape(n, 8, 32)
+    quants = quants.reshape(n, 4, 32)
+    return torch.stack([quants & 0x0F, quants >> 4], dim=2).reshape(n, 8, 32)
 
 
 def _k_quant(blocks: torch.Tensor, quants: torch.Tensor) -> torch.Tensor:
@@ -75,15 +74,17 @@ def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
-    n = blocks.shape[0]
-    high = blocks[:, 16:48].reshape(n, 1, 1, 32) >> _shifts(tuple(range(8)), blocks.device)  # bit j: sub-block j
-    return _k_quant(blocks, _nibbles(blocks[:, 48:176]) | ((high & 1).reshape(n, 8, 32) << 4))
+    high = blocks[:, 16:48]  # bit j of byte i: the fifth bit of value i of sub-block j
+    fifth = torch.stack([(high >> j) & 1 for j in range(8)], dim=1)
+    return _k_quant(blocks, _nibbles(blocks[:, 48:176]) | (fifth << 4))
 
 
 def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    low = (blocks[:, 0:128].reshape(n, 2, 1, 64) >> _shifts((0, 4), blocks.device)) & 0x0F
-    high = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> _shifts((0, 2, 4, 6), blocks.device)) & 0x03
+    low = blocks[:, 0:128].reshape(n, 2, 64)  # per half of the block: 64 low, then 64 high nibbles
+    low = torch.stack([low & 0x0F, low >> 4], dim=2)
+    high = blocks[:, 128:192].reshape(n, 2, 32)  # per half: four 2-bit fields of each byte, one per 32 values
+    high = torch.stack([(high >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=2)
     quants = (low.reshape(n, 8, 32) | (high.reshape(n, 8, 32) << 4)).to(torch.int8) - 32
     scale = (_f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()).unsqueeze(-1)
     return (scale * quants.reshape(n, 16, 16).float()).reshape(n, QK_K)
