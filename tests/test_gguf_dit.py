@@ -144,7 +144,9 @@ def test_a_lora_on_streamed_layers_and_its_removal(gguf_file):
     assert patched.model.lowvram_patch_counter > 0, "no LoRA layer was streamed: the test needs a smaller share"
     assert any(patched.backup), "no LoRA layer was loaded whole"
     merged = _merged_reference(gguf_file, deltas, 1.0)
-    error = (_predict(patched) - _predict(merged)).abs().max().item()
+    with_lora = _predict(patched)
+    assert (with_lora - before).abs().max() > 1e-3, "the LoRA changed nothing"
+    error = (with_lora - _predict(merged)).abs().max().item()
     print(f"{gguf_file.name}: {patched.model.lowvram_patch_counter} streamed LoRA layers, "
           f"{len(patched.backup)} loaded; max |GGUF + LoRA - merged| = {error:.3g}")
     assert error < 1e-4
