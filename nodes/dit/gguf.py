@@ -77,9 +77,9 @@ def read_gguf_dit(path: Path) -> tuple[dict[str, GGUFTensor], dict]:
     check_structure(header, Architecture(WHAT, expected_shapes(config), ADVICE), source)
     odd = sorted((k for k, t in tensors.items() if t.kind not in SUPPORTED), key=natural)
     if odd:
-        raise ErnieImageError(f"{source} stores {odd[0]} as {tensors[odd[0]].kind}"
-                              f"{f' (and {len(odd) - 1} more tensors in types it cannot read)' if len(odd) > 1 else ''}"
-                              f", a GGUF type this pack does not read. {UNSUPPORTED_ADVICE}")
+        more = f" (and {len(odd) - 1} more tensors in types it cannot read)" if len(odd) > 1 else ""
+        raise ErnieImageError(f"{source} stores {odd[0]} as {tensors[odd[0]].kind}{more}, a GGUF type this pack does "
+                              f"not read. {UNSUPPORTED_ADVICE}")
     for name in sorted(tensors, key=natural):
         bad = first_bad_value(name, tensors[name])
         if bad is not None:

@@ -9,7 +9,6 @@ shape in ``comfy.gguf.orig_shape.<name>`` (ComfyUI-GGUF's tools/convert.py).
 
 from __future__ import annotations
 
-import math
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -147,7 +146,3 @@ def raw_header(fields: bytes = b"", field_count: int = 0, tensor_count: int = 0)
 def gguf_string(text: str) -> bytes:
     encoded = text.encode()
     return struct.pack("<Q", len(encoded)) + encoded
-
-
-def numel(shape) -> int:
-    return math.prod(shape)
