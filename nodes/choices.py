@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .errors import ErnieImageError
 from .inputs import AliasedCombo
-from .paths import check_choice, model_file_path, safetensors_names, snapshot_names, snapshot_path
+from .paths import check_choice, gguf_names, model_file_path, safetensors_names, snapshot_names, snapshot_path
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,15 @@ class Source:
     path: Callable[[str], Path]
 
 
-def files(folder: str, keep: Callable[[str], bool] = lambda name: True) -> Source:
-    """The ``.safetensors`` files of ComfyUI's ``folder`` folders that ``keep`` accepts."""
-    return Source(folder, lambda: [name for name in safetensors_names(folder) if keep(name)],
-                  lambda name: model_file_path(folder, name))
+def files(folder: str, keep: Callable[[str], bool] = lambda name: True, gguf: bool = False) -> Source:
+    """The ``.safetensors`` files of ComfyUI's ``folder`` folders that ``keep`` accepts, and their ``.gguf`` files
+    too where ``gguf``."""
+
+    def names() -> list[str]:
+        found = safetensors_names(folder) + (gguf_names(folder) if gguf else [])
+        return [name for name in dict.fromkeys(found) if keep(name)]
+
+    return Source(folder, names, lambda name: model_file_path(folder, name))
 
 
 SNAPSHOTS = Source("diffusers", snapshot_names, snapshot_path)

@@ -13,6 +13,7 @@ from .accel.compile import compiles_by_default, fp8_cast_problem
 from .accel.patching import compile_by_default
 from .choices import SNAPSHOTS, ModelList, files
 from .dit.build import load_dit
+from .dit.gguf import gguf_dtype, load_gguf_dit
 from .dit.model import make_model_patcher
 from .dit.precision import WEIGHT_DTYPES, asked_dtypes
 from .dit.schedule import DEFAULT_SHIFT, snapshot_shift
@@ -31,7 +32,7 @@ from .text.nodes import text_encoder_device_input, text_encoder_weight_dtype_inp
 
 # Before the one grammar (``choices``), the all-in-one loader listed a snapshot bare, the DiT loader a file.
 SNAPSHOT_MODELS = ModelList((SNAPSHOTS,), legacy="diffusers")
-DIT_MODELS = ModelList((files("diffusion_models"), SNAPSHOTS), legacy="diffusion_models")
+DIT_MODELS = ModelList((files("diffusion_models", gguf=True), SNAPSHOTS), legacy="diffusion_models")
 
 
 def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, disable_dynamic: bool = False):
@@ -40,27 +41,33 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, 
     ``disable_dynamic``: on core's classic patcher also where the core streams models with dynamic VRAM (core's
     compile node asks so through ``cached_patcher_init`` when it demotes a model to compile it)."""
     device = torch_device()
+    if quantization == AUTO and path.suffix.lower() == ".gguf":
+        quantization = "none"  # a GGUF file is quantized already: auto keeps it as it is
     if quantization == AUTO:
         choice = choose(probe(device), capacity(device), fp8_bytes(path), weight_dtype)
         logging.info("ERNIE-Image: quantization auto chose %s with weight_dtype %s: %s", choice.quantization,
                      choice.weight_dtype, choice.why)
         quantization, weight_dtype = choice.quantization, choice.weight_dtype
     method = METHODS[quantization]
-    dtype, storage = asked_dtypes(weight_dtype, quantization, method.quantizes)
-    dit = load_quantized_dit(
-        lambda: load_dit(path, dtype, storage, load_device=device),
-        quantization,
-        source=path,
-        locate=tensor_locations,
-        dtype=dtype,
-        device=device,
-        free_memory=usable_memory,
-        cache_root=Path(folder_paths.models_dir) / "ernie_quantized",  # where SVDQuant DiTs are saved
-    )
-    # Core's mixed-precision layers under torch.compile are unverified (they have not run on a GPU): a file held in
-    # them stays eager unless ErnieImageCompile asks, as do the methods that say so.
-    # Blocks stored in fp8 compile only where Triton converts fp8 (sm89+).
-    compiles = (compiles_by_default(device) and method.compiles and not getattr(dit, "quant_formats", None)
+    if path.suffix.lower() == ".gguf":  # quantized already: the loader's quantization methods do not apply
+        dit = load_gguf_dit(path, gguf_dtype(weight_dtype, quantization))
+    else:
+        dtype, storage = asked_dtypes(weight_dtype, quantization, method.quantizes)
+        dit = load_quantized_dit(
+            lambda: load_dit(path, dtype, storage, load_device=device),
+            quantization,
+            source=path,
+            locate=tensor_locations,
+            dtype=dtype,
+            device=device,
+            free_memory=usable_memory,
+            cache_root=Path(folder_paths.models_dir) / "ernie_quantized",  # where SVDQuant DiTs are saved
+        )
+    # Core's mixed-precision layers and the GGUF layers under torch.compile are unverified (they have not run on a
+    # GPU): a file held in them stays eager unless ErnieImageCompile asks, as do the methods that say so. Blocks
+    # stored in fp8 compile only where Triton converts fp8 (sm89+).
+    held = getattr(dit, "quant_formats", None) or getattr(dit, "gguf_types", None)
+    compiles = (compiles_by_default(device) and method.compiles and not held
                 and fp8_cast_problem(dit.layers, device) is None)
     # Compiled blocks need their weights on the GPU: where the whole DiT fits there, core's classic patcher keeps
     # it so (as core's compile node demotes a dynamic model); elsewhere core's own choice streams it.
@@ -137,10 +144,12 @@ class ErnieImageDiTLoader(io.ComfyNode):
             display_name="ERNIE-Image DiT Loader",
             category="ERNIE-Image/loaders",
             description="Loads the ERNIE-Image diffusion transformer from models/diffusion_models (the ComfyUI "
-            "repack) or from a snapshot folder's transformer/ (listed as diffusers/<name>).",
+            "repack, or a GGUF file: Q8_0, Q6_K, Q5_K, Q4_K) or from a snapshot folder's transformer/ (listed as "
+            "diffusers/<name>).",
             inputs=[
-                DIT_MODELS.input("model_name", tooltip="diffusion_models/ernie-image(-turbo).safetensors, or "
-                                 "diffusers/<snapshot folder>."),
+                DIT_MODELS.input("model_name", tooltip="diffusion_models/ernie-image(-turbo).safetensors, a GGUF of "
+                                 "it (diffusion_models/<name>.gguf: its layers stay 4 to 8 bits and are decoded as "
+                                 "they run; quantization must be none), or diffusers/<snapshot folder>."),
                 *_weight_inputs(),
             ],
             outputs=[io.Model.Output()],

@@ -137,6 +137,17 @@ def safetensors_names(folder_name: str) -> list[str]:
     return [n for n in folder_paths.get_filename_list(folder_name) if n.endswith(".safetensors")]
 
 
+def gguf_names(folder_name: str) -> list[str]:
+    """The ``.gguf`` files under ComfyUI's ``folder_name`` folders, as relative paths (``/``). ComfyUI's own file
+    lists leave them out (``.gguf`` is none of its model extensions), so the folders are walked here."""
+    names = set()
+    for root in folder_paths.get_folder_paths(folder_name):
+        for current, _, found in walk(root):
+            names.update(os.path.relpath(os.path.join(current, name), root).replace(os.sep, "/")
+                         for name in found if name.lower().endswith(".gguf"))
+    return sorted(names)
+
+
 def model_file_path(folder_name: str, name: str) -> Path:
     """The full path of ``name`` in ComfyUI's ``folder_name`` folders, or a clear error."""
     # Checked here: ComfyUI's get_full_path would quietly read '../x' as 'x', another file than the one named.

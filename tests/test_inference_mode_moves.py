@@ -18,12 +18,15 @@ from torch.overrides import TorchFunctionMode
 
 from comfyui_ernie_image.nodes.dit.vae import load_vae
 from comfyui_ernie_image.nodes.loaders import ErnieImageDiTLoader, ErnieImageLoader, _load_model
+from comfyui_ernie_image.nodes.lora.patching import apply_lora
 from comfyui_ernie_image.nodes.model_files import read_safetensors
 from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
 from comfyui_ernie_image.nodes.pe.local.enhancer import LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.protocol import PromptSpec, SamplingParams
 from comfyui_ernie_image.nodes.text.nodes import ErnieImageTextEncoderLoader
 from helpers.accel import sample, text
+from helpers.gguf_files import mixed_kind, tiny_state, write_gguf
+from helpers.lora import LAYERS, deltas, lora_file
 from helpers.quant_files import comfy_quant_fp8
 
 
@@ -75,6 +78,23 @@ def test_a_dit_in_cores_quantized_layers_samples_after_moves_and_after_free(tiny
     save_file(comfy_quant_fp8(read_safetensors(tiny_models["single_file"])), path)
     with torch.inference_mode():
         model = _load_model(path, "default", "none", 4.0)
+    with CopyingMoves():
+        first = sample(model, steps=2, cfg=4.0)
+    free_models()
+    with CopyingMoves():
+        again = sample(model, steps=2, cfg=4.0)
+    assert first.abs().max() > 0
+    torch.testing.assert_close(again, first)
+
+
+def test_a_gguf_dit_with_a_lora_samples_after_moves_and_after_free(tmp_path):
+    """A GGUF DiT's blocks are read in inference mode and its LoRA patches are put on parameters when it loads,
+    which ComfyUI does inside inference mode too (``host/gguf_layers.GGUFModelPatcher``)."""
+    path = write_gguf(tmp_path / "ernie-image-tiny-Q4_K_M.gguf", tiny_state(), mixed_kind)
+    with torch.inference_mode():
+        model = _load_model(path, "default", "none", 4.0)
+        model, report = apply_lora(model, lora_file("ai-toolkit", deltas(LAYERS, 1)), 1.0, "tiny.safetensors")
+    assert report.applied == len(LAYERS)
     with CopyingMoves():
         first = sample(model, steps=2, cfg=4.0)
     free_models()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ErnieImageError
+from ..host.gguf_layers import GGUFModelPatcher
 from ..host.model import FLOW, BaseModel, CONDConstant, CONDRegular, Flux2LatentFormat, SupportedModel, model_patcher
 from ..host.patchers import WholeModelPatcher, dit_patcher_class, out_of_memory
 from ..host.sampling import run_diffusion_model
@@ -157,11 +158,18 @@ def make_model_patcher(diffusion_model: ErnieImageDiffusionModel, shift: float =
     Core's own patcher: the DiT's layers are ``comfy.ops`` layers, so a card too small for it loads part of it
     and casts the rest per layer (or, under dynamic VRAM, streams every layer unless ``resident``: see
     ``host.patchers.dit_patcher_class``). ``whole``: quantized (torchao, SVDQuant) weights, which core's partial
-    loading neither moves nor casts, so the model is loaded whole (``WholeModelPatcher``)."""
+    loading neither moves nor casts, so the model is loaded whole (``WholeModelPatcher``). A DiT holding GGUF blocks
+    (``dit/gguf.py``) streams like any other, on core's classic patcher with LoRAs kept off the blocks
+    (``host.gguf_layers.GGUFModelPatcher``)."""
     config = ErnieImageConfig(ErnieImageConfig.unet_config)
     config.sampling_settings["shift"] = shift
     precision = diffusion_model.precision
     config.set_inference_dtype(precision.storage, precision.manual_cast)
     subclass_weights = bool(getattr(diffusion_model, "quant_formats", None))  # core's QuantizedTensor weights
-    patcher = WholeModelPatcher if whole else dit_patcher_class(resident, subclass_weights)
+    if whole:
+        patcher = WholeModelPatcher
+    elif getattr(diffusion_model, "gguf_types", None):
+        patcher = GGUFModelPatcher
+    else:
+        patcher = dit_patcher_class(resident, subclass_weights)
     return model_patcher(ErnieImageModel, config, diffusion_model, patcher)

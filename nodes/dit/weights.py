@@ -8,7 +8,7 @@
 
 What is read is the state dict and the architecture; ``build.py`` builds the DiT from them.
 
-Only safetensors are read: no pickles, no remote code.
+Only safetensors are read here (GGUF files: ``gguf.py``): no pickles, no remote code.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ def _describe_foreign(keys: list[str]) -> str:
         return "it looks like a Stable Diffusion checkpoint"  # before the text encoder: it holds one too
     if any(k.startswith(("encoder.", "decoder.")) for k in keys):
         return "it looks like a VAE"
+    if any(k.startswith("blocks.") and ".cross_attn." in k for k in keys):
+        return "it looks like a Wan video model"  # community GGUFs of Wan have these names
     if any(".self_attn." in k for k in keys):
         return "it looks like a text encoder or language model"
     return f"its first keys are {keys[:3]}"
@@ -275,5 +277,5 @@ def read_dit(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
             return read_transformer_folder(transformer_dir)
         return read_transformer_folder(path)
     if path.suffix != ".safetensors":
-        raise ErnieImageError(f"{path} is not a .safetensors file; only safetensors weights are loaded.")
+        raise ErnieImageError(f"{path} is not a .safetensors file; the DiT loads from safetensors and GGUF files only.")
     return read_single_file(path)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ErnieImageError
+from ..host.gguf_layers import weight_shapes
 from ..host.lora import convert_lora, lora_patches, misfit
 from ..host.model import dit_blocks
 from ..structure import first_non_finite, natural
@@ -53,7 +54,8 @@ class LoraReport:
 
 def apply_lora(model, lora: dict[str, torch.Tensor], strength: float, name: str) -> tuple[object, LoraReport]:
     """A clone of ``model`` with ``lora`` patched in at ``strength``, and what was applied. A torchao DiT takes them
-    (each patched layer quantized again when it loads), an SVDQuant DiT refuses them
+    (each patched layer quantized again when it loads), a GGUF DiT too (applied to each decoded weight as it runs,
+    ``host.gguf_layers``), an SVDQuant DiT refuses them
     (``host.patchers.WholeModelPatcher``); a file with NaN or infinite values is refused."""
     diffusion_model, _ = dit_blocks(model)  # a clear error for a MODEL that is not an ERNIE-Image DiT
     bad = first_non_finite(lora)
@@ -63,7 +65,8 @@ def apply_lora(model, lora: dict[str, torch.Tensor], strength: float, name: str)
     lora = convert_lora(lora)
     mapping = key_map([k for k, _ in diffusion_model.named_parameters()])
     patches = lora_patches(lora, mapping)
-    shapes = {f"diffusion_model.{k}": tuple(p.shape) for k, p in diffusion_model.named_parameters()}
+    # As the DiT computes with them: a GGUF weight's true shape, not its blocks'.
+    shapes = {f"diffusion_model.{k}": shape for k, shape in weight_shapes(diffusion_model).items()}
     names = layer_names(list(lora))
     layer_of = {target: layer for layer, target in mapping.items() if layer in names}  # the file's own name
     misfits = {}

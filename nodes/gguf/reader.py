@@ -1,0 +1,163 @@
+"""Read a GGUF model file with the ``gguf`` package, as names, types, shapes and memory-mapped data (engine: no
+ComfyUI here; ``gguf`` and numpy).
+
+The header is walked with bounds first (``header.py``); then ``gguf.GGUFReader`` maps the file. Nothing is copied
+until the caller has checked the names and shapes (``tensor_data``). Shapes come back in torch's order: GGUF keeps
+ggml's (innermost first), and city96's converter stores tensors whose rows do not fill whole 256-value blocks
+flattened to rows of 256, with the true shape in a ``comfy.gguf.orig_shape.<name>`` field (ComfyUI-GGUF's
+tools/convert.py); both are read here.
+
+Values are checked before anything is kept: every block's fp16 scales, and every plain tensor, must be finite.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ErnieImageError
+from ..model_files import Header, TensorInfo
+from .dequant import BLOCKS, PLAIN, SCALE_OFFSETS, UNSUPPORTED_ADVICE
+from .header import HeaderError, walk_header
+
+ORIG_SHAPE = "comfy.gguf.orig_shape."
+_NO_PACKAGE = ("Reading GGUF files needs the gguf package, which is not installed. Install it into ComfyUI's "
+               "Python (`pip install gguf`), then restart ComfyUI.")
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: its type's name (``Q4_K``, ``F16``, …), its shape in torch's order, and its data
+    as the file holds it (memory-mapped, not copied)."""
+
+    kind: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """A GGUF file's tensors by name and what it says it is (``general.architecture``; community files of other
+    models' converters say ``flux`` or ``wan``, so it decides nothing)."""
+
+    path: Path
+    architecture: str | None
+    tensors: dict[str, GGUFTensor]
+
+    def header(self) -> Header:
+        """Names, shapes and types, for ``structure``'s checks."""
+        return {name: TensorInfo(t.shape, t.kind) for name, t in self.tensors.items()}
+
+
+def _gguf_version() -> str:
+    try:
+        return metadata.version("gguf")
+    except metadata.PackageNotFoundError:  # imported from elsewhere than an installed distribution
+        return "of unknown version"
+
+
+def _damaged(path: Path, why: str) -> ErnieImageError:
+    return ErnieImageError(f"Cannot read {path} as a GGUF file: it declares {why}. The file is damaged or not a GGUF "
+                           "model file (an interrupted download?): download it again.")
+
+
+def _string(field) -> str | None:
+    if field is None or len(field.types) != 1 or field.types[0].name != "STRING":
+        return None
+    return bytes(field.parts[field.data[-1]]).decode("utf-8", errors="replace")
+
+
+def _orig_shape(reader, name: str, count: int, path: Path) -> tuple[int, ...] | None:
+    field = reader.get_field(ORIG_SHAPE + name)
+    if field is None:
+        return None
+    if [t.name for t in field.types] != ["ARRAY", "INT32"]:
+        raise _damaged(path, f"{ORIG_SHAPE}{name} as {[t.name for t in field.types]}, not an array of int32")
+    shape = tuple(int(field.parts[i][0]) for i in field.data)
+    if not shape or len(shape) > 8 or min(shape) < 1 or math.prod(shape) != count:
+        raise _damaged(path, f"{ORIG_SHAPE}{name} = {list(shape)} for a tensor of {count} values")
+    return shape
+
+
+def read_gguf(path: Path) -> GGUFFile:
+    """Every tensor of the GGUF file ``path`` (names as the file has them), or an error naming the file. No data
+    is read here, only the header (bounded first)."""
+    try:
+        import gguf
+    except ImportError as error:
+        raise ErnieImageError(_NO_PACKAGE) from error
+    if not path.is_file():
+        raise ErnieImageError(f"Model file not found: {path}. Put it there or pick another file.")
+    sizes = {int(kind): size for kind, size in gguf.GGML_QUANT_SIZES.items()}
+    try:
+        header = walk_header(path, sizes)
+    except HeaderError as error:
+        raise _damaged(path, str(error)) from None
+    except OSError as error:
+        raise ErnieImageError(f"Cannot read {path} ({error}). Check the file, or download it again.") from error
+    unknown = next((t for t in header.tensors if t.type_id not in sizes), None)
+    if unknown is not None:
+        raise ErnieImageError(
+            f"{path} stores {unknown.name} in type number {unknown.type_id}, which no GGUF type of the installed gguf "
+            f"package ({_gguf_version()}) is: the file is damaged, or in a type newer "
+            f"than this pack reads. {UNSUPPORTED_ADVICE}")
+    try:
+        reader = gguf.GGUFReader(path)
+    except ValueError as error:
+        # An unknown type number first: gguf's own words for it are "5000 is not a valid GGMLQuantizationType".
+        raise _damaged(path, f"what gguf {_gguf_version()} cannot read ({error})") from None
+    except (KeyError, IndexError, OverflowError, OSError, UnicodeDecodeError) as error:
+        raise _damaged(path, f"what gguf cannot read ({type(error).__name__}: {error})") from None
+    tensors = {}
+    for tensor in reader.tensors:
+        count = math.prod(int(d) for d in tensor.shape)
+        shape = _orig_shape(reader, tensor.name, count, path) or tuple(int(d) for d in reversed(tensor.shape))
+        tensors[tensor.name] = GGUFTensor(tensor.tensor_type.name, shape, tensor.data)
+    return GGUFFile(path, _string(reader.get_field("general.architecture")), tensors)
+
+
+def first_bad_value(name: str, tensor: GGUFTensor) -> str | None:
+    """Why ``tensor``'s numbers cannot be trusted (a NaN or infinite block scale or value), or None. Reads the
+    mapped file; allocates only a tensor's scales (a plain tensor: a flag per value)."""
+    if tensor.kind in BLOCKS:
+        blocks = tensor.data.reshape(-1, BLOCKS[tensor.kind][1])
+        for offset in SCALE_OFFSETS[tensor.kind]:
+            scales = np.ascontiguousarray(blocks[:, offset:offset + 2]).view(np.float16)
+            bad = ~np.isfinite(scales)
+            if bad.any():
+                block = int(np.argmax(bad.any(axis=1)))
+                return (f"the fp16 block scale at byte {offset} of block {block} of {name} is "
+                        f"{float(scales[block, 0])}")
+        return None
+    values = _plain(tensor)
+    if not bool(torch.isfinite(values).all()):
+        return f"{name} holds NaN or infinite values"
+    return None
+
+
+def _plain(tensor: GGUFTensor) -> torch.Tensor:
+    """A plain tensor's numbers, as a torch view of the mapped file (read-only: only read from)."""
+    with warnings.catch_warnings():  # torch warns that the mapped array is read-only; nothing writes to it
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        data = torch.from_numpy(tensor.data)
+    if tensor.kind == "BF16":  # the gguf package has no bfloat16: its bytes
+        data = data.view(torch.bfloat16)
+    return data.reshape(tensor.shape)
+
+
+def tensor_data(tensor: GGUFTensor) -> torch.Tensor:
+    """The tensor in memory of its own (a copy of the file's bytes, so the file is closed once read): a plain
+    tensor as numbers of its shape and type, a quantized one as its blocks (uint8, one dimension)."""
+    if tensor.kind in PLAIN:
+        return _plain(tensor).clone()
+    return torch.from_numpy(np.array(tensor.data, copy=True).reshape(-1))

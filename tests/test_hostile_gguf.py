@@ -1,0 +1,227 @@
+"""GGUF DiT files, good and hostile, through the DiT loader node a user picks them with: listed under the one
+model-choice grammar, loaded by their tensor names whatever ``general.architecture`` says, and each bad one refused
+in words (the file, the first bad tensor, what to do) before any weight is copied.
+
+The files are written with the ``gguf`` package (``helpers.gguf_files``), the hostile headers byte by byte. Loads
+that a reader without bounds would turn into an endless loop or a memory bomb run in a capped child process with a
+timeout (``helpers.bounded``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import struct
+
+import pytest
+import torch
+
+from comfyui_ernie_image.nodes.errors import ErnieImageError
+from comfyui_ernie_image.nodes.host.gguf_layers import GGUFModelPatcher
+from comfyui_ernie_image.nodes.loaders import DIT_MODELS, ErnieImageDiTLoader
+from helpers.bounded import run_bounded
+from helpers.files import replace_bytes
+from helpers.gguf_files import (
+    gguf_string,
+    mixed_kind,
+    raw_header,
+    scale_offset,
+    set_tensor_type,
+    tiny_state,
+    uniform_kind,
+    write_gguf,
+)
+
+FLUX_NAMES = ("double_blocks.0.img_attn.qkv.weight", "double_blocks.0.img_mlp.0.weight", "img_in.weight")
+
+
+@pytest.fixture(scope="module")
+def state():
+    return tiny_state()
+
+
+def load(name: str, weight_dtype: str = "default", quantization: str = "none"):
+    """What ComfyUI runs for an ``ErnieImageDiTLoader`` node."""
+    return ErnieImageDiTLoader.execute(name, weight_dtype, quantization).result[0]
+
+
+def placed_gguf(placed, name: str, tensors, kind=mixed_kind, **options):
+    """``tensors`` as a GGUF file among the diffusion models: its path."""
+    return write_gguf(placed("diffusion_models", name), tensors, kind, **options)
+
+
+def listed(path) -> str:
+    return f"diffusion_models/{path.name}"
+
+
+@pytest.mark.parametrize("arch, prefix", [("flux", ""), ("wan", "model.diffusion_model."), ("pig", "")])
+def test_an_ernie_gguf_loads_by_its_tensor_names_whatever_its_architecture_says(placed, state, caplog, arch, prefix):
+    name = listed(placed_gguf(placed, f"ernie-image-tiny-{arch}.gguf", state, arch=arch, prefix=prefix))
+    assert name in DIT_MODELS.options() and DIT_MODELS.check(name) is True
+    with caplog.at_level(logging.INFO):
+        model = load(name, "fp32")
+    assert isinstance(model, GGUFModelPatcher)
+    dit = model.model.diffusion_model
+    assert dit.gguf_types == {"Q4_K", "Q5_K", "Q6_K"} and dit.precision.compute == torch.float32
+    assert f"says general.architecture '{arch}'; its tensors are ERNIE-Image's" in caplog.text
+    assert re.search(r"linear layers held as GGUF blocks \(52 Q4_K, 1 Q5_K, 20 Q6_K\), [\d.]+ MiB in all "
+                     r"\([\d.]+ MiB in bf16\)", caplog.text)
+
+
+def test_the_loaders_quantization_and_fp8_storage_are_refused_for_a_gguf(placed, state):
+    name = listed(placed_gguf(placed, "ernie-image-tiny-refused.gguf", state))
+    with pytest.raises(ErnieImageError, match="quantization fp8_per_row quantizes bf16 weights at load, but a GGUF "
+                       "file is quantized already .*set quantization to none"):
+        load(name, "default", "fp8_per_row")
+    with pytest.raises(ErnieImageError, match="weight_dtype fp8_e4m3fn stores the weights in fp8, but a GGUF file "
+                       "keeps its own types: set weight_dtype to default, bf16 or fp32"):
+        load(name, "fp8_e4m3fn")
+
+
+def _without(state, key):
+    return {k: v for k, v in state.items() if k != key}
+
+
+def _reshaped(state, key, shape):
+    return {**state, key: torch.zeros(shape)}
+
+
+HOSTILE = {
+    "another model's names": (
+        lambda s: {name: torch.zeros(64, 256) for name in FLUX_NAMES},
+        r"is not an ERNIE-Image diffusion model \(it looks like a Flux model\)"),
+    "a missing block tensor": (
+        lambda s: _without(s, "layers.9.mlp.linear_fc2.weight"),
+        r"is not a whole ERNIE-Image DiT: layers\.9\.mlp\.linear_fc2\.weight is missing \(block 0 has it\)"),
+    "a missing tensor": (
+        lambda s: _without(s, "final_norm.linear.bias"),
+        r"is not a whole ERNIE-Image DiT: final_norm\.linear\.bias is missing"),
+    "a wrong shape": (
+        lambda s: _reshaped(s, "time_embedding.linear_1.weight", (64, 32)),
+        r"does not fit the ERNIE-Image DiT: time_embedding\.linear_1\.weight has shape \[64, 32\], the ERNIE-Image "
+        r"DiT needs \[64, 64\]"),
+    "a wrong block shape": (
+        lambda s: _reshaped(s, "layers.4.mlp.up_proj.weight", (256, 64)),
+        r"does not fit a ERNIE-Image DiT: layers\.4\.mlp\.up_proj\.weight has shape \[256, 64\], block 0's has "
+        r"\[128, 64\]"),
+    "a block past the cap": (
+        lambda s: {**s, "layers.300.adaLN_sa_ln.weight": torch.ones(64)},
+        r"declares block 300 \(layers\.300\.adaLN_sa_ln\.weight\): a ERNIE-Image DiT has at most 256 blocks"),
+    "a tensor another DiT has": (
+        lambda s: {**s, **{f"layers.{i}.self_attention.to_q.bias": torch.zeros(64) for i in range(10)}},
+        r"holds layers\.0\.self_attention\.to_q\.bias \(and 9 more\), which the ERNIE-Image DiT does not have"),
+}
+
+
+@pytest.mark.parametrize("attack", list(HOSTILE))
+def test_a_file_that_is_not_a_whole_ernie_dit_is_refused_by_its_header(placed, state, attack):
+    change, words = HOSTILE[attack]
+    with pytest.raises(ErnieImageError, match=words) as raised:
+        load(listed(placed_gguf(placed, "hostile.gguf", change(state))))
+    message = str(raised.value)
+    assert "hostile.gguf" in message and ("Download it again" in message or "Pick ernie-image" in message)
+
+
+@pytest.mark.parametrize("value, words", [(0x7C00, "inf"), (0x7E00, "nan"), (0xFC00, "-inf")])
+def test_a_non_finite_block_scale_is_refused_naming_the_tensor(placed, state, value, words):
+    path = placed_gguf(placed, "non-finite-scale.gguf", state, uniform_kind("Q4_K"))
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<H", data, scale_offset(path, "layers.2.mlp.up_proj.weight") + 144, value)  # block 1's d
+    replace_bytes(path, bytes(data))
+    with pytest.raises(ErnieImageError, match=rf"non-finite-scale\.gguf: the fp16 block scale at byte 0 of block 1 of "
+                       rf"layers\.2\.mlp\.up_proj\.weight is {words}; a weight must be made of finite numbers"):
+        load(listed(path))
+
+
+def test_a_non_finite_plain_value_is_refused(placed, state):
+    bad = {**state, "final_norm.linear.bias": torch.full((128,), float("nan"))}
+    with pytest.raises(ErnieImageError, match=r"final_norm\.linear\.bias holds NaN or infinite values"):
+        load(listed(placed_gguf(placed, "nan-bias.gguf", bad)))
+
+
+def test_a_type_the_pack_does_not_read_is_named_with_advice(placed, state):
+    name = listed(placed_gguf(placed, "q4_0.gguf", state, lambda n, v: "F32" if v.ndim == 1 else
+                              ("Q4_0" if "to_k" in n else "Q8_0")))
+    with pytest.raises(ErnieImageError, match=r"q4_0\.gguf stores layers\.0\.self_attention\.to_k\.weight as Q4_0 "
+                       r"\(and 9 more tensors in types it cannot read\), a GGUF type this pack does not read\. The "
+                       r"pack reads the GGUF types Q8_0, Q6_K, Q5_K and Q4_K"):
+        load(name)
+
+
+def test_a_type_number_gguf_does_not_know_is_refused(placed, state):
+    path = placed_gguf(placed, "type-99.gguf", state)
+    set_tensor_type(path, "layers.0.mlp.gate_proj.weight", 99)
+    with pytest.raises(ErnieImageError, match=r"stores layers\.0\.mlp\.gate_proj\.weight in type number 99, which no "
+                       r"GGUF type of the installed gguf package \(0\.\d+\.\d+\) is"):
+        load(listed(path))
+
+
+def test_a_truncated_or_foreign_file_is_refused_in_words(placed, state, tiny_models):
+    path = placed_gguf(placed, "truncated.gguf", state)
+    replace_bytes(path, path.read_bytes()[:-5000])
+    with pytest.raises(ErnieImageError, match=r"Cannot read .*truncated\.gguf as a GGUF file: it declares the tensor "
+                       r"\S+ at bytes the file does not have \(it is truncated: an interrupted download\?\)"):
+        load(listed(path))
+    renamed = placed("diffusion_models", "safetensors-renamed.gguf")
+    renamed.write_bytes(tiny_models["single_file"].read_bytes())
+    with pytest.raises(ErnieImageError, match=r"it declares no GGUF signature"):
+        load("diffusion_models/safetensors-renamed.gguf")
+
+
+def test_an_original_shape_that_does_not_fit_is_refused(placed, state):
+    def lie(writer):
+        writer.add_array("comfy.gguf.orig_shape.layers.0.mlp.up_proj.weight", [128, 65])
+
+    name = listed(placed_gguf(placed, "orig-shape.gguf", state, extra=lie))
+    with pytest.raises(ErnieImageError, match=r"declares comfy\.gguf\.orig_shape\.layers\.0\.mlp\.up_proj\.weight = "
+                       r"\[128, 65\] for a tensor of 8192 values"):
+        load(name)
+
+
+def test_without_the_gguf_package_the_loader_says_how_to_install_it(placed, state, monkeypatch):
+    name = listed(placed_gguf(placed, "no-package.gguf", state))
+    monkeypatch.setitem(__import__("sys").modules, "gguf", None)  # ``import gguf`` raises ImportError
+    with pytest.raises(ErnieImageError, match=r"needs the gguf package.*`pip install gguf`"):
+        load(name)
+
+
+# Headers made to hang or exhaust a reader without bounds: an array said to hold 2^60 items (gguf.GGUFReader alone
+# loops for ever on it: each read past the end is empty), 2^40 tensors, a 2^60-byte string, a tensor of 2^62 values.
+BOMBS = {
+    "endless-array.gguf": (raw_header(gguf_string("x") + struct.pack("<IIQ", 9, 0, 1 << 60), field_count=1),
+                           "arrays of more than 1048576 items in all"),
+    "many-tensors.gguf": (raw_header(tensor_count=1 << 40),
+                          "1099511627776 tensors and 0 fields (a model file has at most 65536 of each)"),
+    "long-string.gguf": (raw_header(gguf_string("x") + struct.pack("<IQ", 8, 1 << 60), field_count=1),
+                         "a string of 1152921504606846976 bytes, more than the"),
+    "huge-tensor.gguf": (raw_header(gguf_string("layers.0.adaLN_sa_ln.weight") + struct.pack("<I", 2)
+                                    + struct.pack("<QQIQ", 1 << 31, 1 << 31, 0, 0), tensor_count=1),
+                         "the tensor layers.0.adaLN_sa_ln.weight of 4611686018427387904 values"),
+}
+_EACH = """
+messages = []
+for name in {names!r}:
+    try:
+        ErnieImageDiTLoader.execute("diffusion_models/" + name, "default", "none")
+    except ErnieImageError as error:
+        messages.append(str(error))
+raise ErnieImageError(" | ".join(messages))
+"""
+
+
+def test_a_header_made_to_hang_or_exhaust_memory_is_refused_at_once(placed):
+    """In one child process capped at 512 MiB above its imports, with a timeout: each refused in words."""
+    folder = None
+    for name, (data, _) in BOMBS.items():
+        path = placed("diffusion_models", name)
+        path.write_bytes(data)
+        folder = path.parent
+    report = run_bounded(_EACH.format(names=list(BOMBS)), folders={"diffusion_models": folder}, timeout_s=90,
+                         setup="from comfyui_ernie_image.nodes.loaders import ErnieImageDiTLoader\n"
+                               "from comfyui_ernie_image.nodes.errors import ErnieImageError")
+    assert report["outcome"] == "ErnieImageError", report
+    messages = report["message"].split(" | ")
+    assert len(messages) == len(BOMBS), report
+    for message, (name, (_, words)) in zip(messages, BOMBS.items(), strict=True):
+        assert name in message and words in message and "download it again" in message, message
+    assert report["rss_growth_mb"] < 50, report
