@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..host.memory import load_whole, text_devices, text_model_dtype, text_model_patcher, torch_device, usable_memory
-from ..host.patchers import ManagedModule, on_detach
+from ..host.memory import load_whole, text_devices, text_model_dtype, torch_device, usable_memory
+from ..host.patchers import ManagedModule, on_detach, text_model_patcher
 from ..host.sampling import Interrupted, interrupted, progress_bar, raise_if_interrupted
 from .runtime import Runtime
 

@@ -6,14 +6,8 @@ from pathlib import Path
 
 import torch
 
-from ..host.memory import (
-    intermediate_device,
-    load_whole,
-    text_devices,
-    text_model_dtype,
-    text_model_patcher,
-)
-from ..host.patchers import ManagedModule, place
+from ..host.memory import intermediate_device, load_whole, text_devices, text_model_dtype
+from ..host.patchers import ManagedModule, place, text_model_patcher
 from ..host.sizes import CacheSized
 from .encoder import ErnieTextEncoder
 
