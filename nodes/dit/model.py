@@ -19,6 +19,8 @@ from ..errors import ErnieImageError
 from ..host.model import FLOW, BaseModel, CONDConstant, CONDRegular, Flux2LatentFormat, SupportedModel, model_patcher
 from ..host.patchers import WholeModelPatcher, dit_patcher_class, out_of_memory
 from ..host.sampling import run_diffusion_model
+from ..host.sizes import module_bytes
+from ..memory_advice import DIT, PackModel, dtype_name, one_byte_saving
 from .attention import say_unapplied_patches
 from .dit import ErnieImageDiT
 from .precision import Precision
@@ -87,6 +89,10 @@ class ErnieImageDiffusionModel(ErnieImageDiT):
     diffusion-model wrappers, a check of the latent, and out-of-memory advice."""
 
     precision: Precision  # its dtypes, as build.py resolved them
+    # What the loader chose and could choose (loaders.py sets them), for the out-of-memory advice: its quantization
+    # input, and the method that would hold its block weights in one byte on its GPU (None: none runs there).
+    quantization: str = "none"
+    quantize_to: str | None = None
 
     def forward(self, x, timestep, context, text_lens, transformer_options={}, **kwargs):
         try:
@@ -116,6 +122,18 @@ class ErnieImageModel(BaseModel):
     def apply_model(self, *args, **kwargs):
         _refuse_replaced_forwards(self.diffusion_model)
         return super().apply_model(*args, **kwargs)
+
+    def memory_choices(self) -> PackModel:
+        """The DiT's loader choices and bytes, for the out-of-memory advice (``host/oom.py`` adds its device and
+        what it holds there): the savings of one-byte block weights are measured from its block linears."""
+        dit = self.diffusion_model
+        blocks = [m.weight for name, m in dit.named_modules()
+                  if isinstance(m, torch.nn.Linear) and name.startswith("layers.")]
+        saving = one_byte_saving(blocks)
+        storage = getattr(getattr(dit, "precision", None), "storage", None) or self.get_dtype()
+        return PackModel(DIT, module_bytes(dit), dtype_name(storage), fp8_saving=saving,
+                         quantization=getattr(dit, "quantization", "none"),
+                         quantize_to=getattr(dit, "quantize_to", None), quantize_saving=saving)
 
     def extra_conds(self, **kwargs) -> dict:
         cross_attn = kwargs.get("cross_attn")
