@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import ErnieImageError
+from ..host.memory import allocated_memory
 from ..host.model import FLOW, BaseModel, CONDConstant, CONDRegular, Flux2LatentFormat, SupportedModel, model_patcher
+from ..host.oom import sampling_advice
 from ..host.patchers import WholeModelPatcher, dit_patcher_class, out_of_memory
 from ..host.sampling import run_diffusion_model
 from ..host.sizes import module_bytes
@@ -26,12 +28,7 @@ from .dit import ErnieImageDiT
 from .precision import Precision
 from .schedule import DEFAULT_SHIFT
 
-# What is left for sampling is the card less the DiT's weights on it (15 GiB in bf16 when loaded whole).
-SAMPLING_ADVICE = (
-    "sampling ran out of GPU memory beside the DiT's weights. Make room: quantize the DiT in its loader "
-    "(fp8_per_row halves its weights), bypass ERNIE-Image Cache-DiT (its caches take memory at every step), make the "
-    "image smaller, or close other programs that use the GPU."
-)
+PIXELS_PER_LATENT = 16  # Flux.2 latents: one latent pixel per 16 x 16 image pixels (EmptyFlux2LatentImage's step)
 
 
 class ErnieImageConfig(SupportedModel):
@@ -95,11 +92,14 @@ class ErnieImageDiffusionModel(ErnieImageDiT):
     quantize_to: str | None = None
 
     def forward(self, x, timestep, context, text_lens, transformer_options={}, **kwargs):
+        started = allocated_memory(x.device)  # what was held before this step: the advice counts the step's own
         try:
             return run_diffusion_model(self._forward, self, transformer_options, x, timestep, context, text_lens,
                                        transformer_options, **kwargs)
         except torch.OutOfMemoryError as error:
-            raise out_of_memory(error, SAMPLING_ADVICE) from error
+            image = (x.shape[-1] * PIXELS_PER_LATENT, x.shape[-2] * PIXELS_PER_LATENT)
+            raise out_of_memory(error, sampling_advice(self, list(x.shape), context.shape[1], x.device, image,
+                                                       PIXELS_PER_LATENT, transformer_options, started)) from error
 
     def _forward(self, x, timestep, context, text_lens, transformer_options={}, **kwargs):
         if x.ndim != 4 or x.shape[1] != self.in_channels:

@@ -104,3 +104,7 @@ def intermediate_device() -> torch.device:
 def dtype_size(dtype: torch.dtype) -> int:
     return mm.dtype_size(dtype)
 
+
+def allocated_memory(device: torch.device) -> int:
+    """Bytes torch's allocator has handed out on ``device`` now (0 but on CUDA, whose allocator counts them)."""
+    return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0
