@@ -183,7 +183,7 @@ def _dit_in_part(s: Shortage) -> Step | None:
         return Step(DIT, "set the DiT loader's quantization to none with weight_dtype fp8_e4m3fn: ComfyUI then keeps "
                     "what fits of the DiT on the GPU and streams the rest at each step, more slowly", dit.held,
                     up_to=True)
-    if dit.weight_dtype.startswith("fp8") or not dit.fp8_saving:
+    if dit.weight_dtype.startswith("fp8") or not dit.fp8_saving or not dit.size:
         return None
     # ComfyUI holds the same share of a DiT whose block weights are half as large.
     return Step(DIT, "set the DiT loader's weight_dtype to fp8_e4m3fn: its block weights in fp8, cast as each "
