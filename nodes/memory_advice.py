@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .fp8_linear import DECODER_LINEAR, FP8
+from .fp8_linear import DECODER_LINEAR, FP8, FUSED_LINEAR
 
 DIT, TEXT_ENCODER, PROMPT_ENHANCER = "DiT", "text encoder", "Prompt Enhancer"
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
@@ -113,9 +113,10 @@ def one_byte_saving(weights: Iterable[torch.Tensor]) -> int:
 
 def ministral_choices(role: str, language_model: torch.nn.Module) -> PackModel:
     """The text encoder or the PE (a Ministral 3 model) as it is held: its bytes, its decoder linears' dtype (fp8
-    once ``fp8_linear`` holds them) and what fp8 would free."""
+    once ``fp8_linear`` holds them; the PE's stacked gate and up ones too) and what fp8 would free."""
     tensors = [*language_model.parameters(), *language_model.buffers()]
-    linears = [t for name, t in language_model.named_parameters() if DECODER_LINEAR.match(name)]
+    linears = [t for name, t in language_model.named_parameters()
+               if DECODER_LINEAR.match(name) or FUSED_LINEAR.match(name)]
     floating = [t for t in tensors if t.is_floating_point()]
     dtype = FP8 if any(t.dtype == FP8 for t in linears) else (floating[0].dtype if floating else torch.float32)
     return PackModel(role, sum(t.nelement() * t.element_size() for t in tensors), dtype_name(dtype),
@@ -130,17 +131,25 @@ def format_bytes(n: int) -> str:
     return f"{n / 2**10:.1f} KiB"
 
 
-# The steps, cheapest for the user first: a cost in quality that is hard to see (fp8 text encoder, fp8 or int8
-# DiT: faster on FP8 tensor cores), then time only when prompts change (the text encoder on the CPU), then time at
+# The steps, cheapest for the user first: a cost in quality that is hard to see (fp8 text encoder and PE, fp8 or
+# int8 DiT: faster on FP8 tensor cores), then time only when prompts change (the text encoder on the CPU), then time at
 # every prompt (the PE on the CPU), then time at every step (no Cache-DiT, a streamed DiT), and last a different
 # picture (a smaller image). ``RANK`` below lists them in that order.
 
-def _text_encoder_fp8(s: Shortage) -> Step | None:
-    te = s.model(TEXT_ENCODER)
-    if te is None or not te.held or te.weight_dtype == "fp8_e4m3fn" or not te.fp8_saving:
-        return None
-    return Step(TEXT_ENCODER, "set the text encoder's weight_dtype to fp8_e4m3fn (text_encoder_weight_dtype on the "
-                "ERNIE-Image Loader): its decoder layers' weights in fp8", te.fp8_saving)
+def _fp8_weights(role: str, words: str) -> Callable[[Shortage], Step | None]:
+    def step(s: Shortage) -> Step | None:
+        model = s.model(role)
+        if model is None or not model.held or model.weight_dtype == "fp8_e4m3fn" or not model.fp8_saving:
+            return None
+        return Step(role, words, model.fp8_saving)
+    return step
+
+
+_text_encoder_fp8 = _fp8_weights(TEXT_ENCODER, "set the text encoder's weight_dtype to fp8_e4m3fn "
+                                 "(text_encoder_weight_dtype on the ERNIE-Image Loader): its decoder layers' weights "
+                                 "in fp8")
+_pe_fp8 = _fp8_weights(PROMPT_ENHANCER, "set the Prompt Enhancer's weight_dtype to fp8_e4m3fn (pe_weight_dtype on the "
+                       "ERNIE-Image Loader): its decoder layers' weights in fp8, the enhanced text may differ a little")
 
 
 def _dit_quantize(s: Shortage) -> Step | None:
@@ -203,7 +212,8 @@ def _smaller_image(s: Shortage) -> Step | None:
 
 
 RANK: tuple[Callable[[Shortage], Step | list[Step] | None], ...] = (
-    _text_encoder_fp8, _dit_quantize, _text_encoder_cpu, _pe_cpu, _bypass_accelerators, _dit_in_part, _smaller_image,
+    _text_encoder_fp8, _pe_fp8, _dit_quantize, _text_encoder_cpu, _pe_cpu, _bypass_accelerators, _dit_in_part,
+    _smaller_image,
 )
 
 
@@ -244,10 +254,8 @@ def _chosen(model: PackModel, s: Shortage) -> str:
     """What a model's loaders chose, and what it holds on the failing device."""
     if model.role == DIT:
         words = f"DiT quantization {model.quantization or 'none'}, weight_dtype {model.weight_dtype}"
-    elif model.role == PROMPT_ENHANCER:
-        words = f"Prompt Enhancer dtype {model.weight_dtype}, device {model.device}"
-    elif model.role == TEXT_ENCODER:
-        words = f"text encoder weight_dtype {model.weight_dtype}, device {model.device}"
+    elif model.role in (TEXT_ENCODER, PROMPT_ENHANCER):
+        words = f"{model.role} weight_dtype {model.weight_dtype}, device {model.device}"
     else:  # a model that does not describe itself: its class
         words = model.name or model.role
     if model is s.failed:

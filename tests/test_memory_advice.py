@@ -1,6 +1,7 @@
-"""The out-of-memory advice's ranking, on plain descriptions of the state (engine: no ComfyUI, no models): the first
-step not taken whose saving covers what is missing; the few that do together; the card too small; the method that
-halves a DiT on each GPU. What each state's words are through a real core: test_oom_advice.py."""
+"""The out-of-memory advice's ranking, on plain descriptions of the state (engine: no ComfyUI): the first step not
+taken whose saving covers what is missing; the few that do together; the card too small; the method that halves a
+DiT on each GPU; and what the text models say of their own tensors. What each state's words are through a real
+core: test_oom_advice.py."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from comfyui_ernie_image.nodes.memory_advice import (
     Shortage,
     advice,
     format_bytes,
+    ministral_choices,
     one_byte_saving,
     steps,
 )
+from comfyui_ernie_image.nodes.pe.local.fused import fuse_mlp_projections
+from comfyui_ernie_image.nodes.pe.local.weights import snapshot_source
 from comfyui_ernie_image.nodes.quant.capability import halving_method
 
 GiB = 2**30
@@ -115,17 +119,37 @@ def test_a_smaller_image_is_sized_to_what_is_free():
         "Next step that fits (3.0 GiB missing): make the image at most 512×512 (now 1024×1024) (frees about 3.0 GiB).")
 
 
-def test_the_accelerators_and_the_prompt_enhancer_are_named_when_they_free_enough():
-    pe = PackModel(PROMPT_ENHANCER, 7 * GiB, "bf16", GPU, 7 * GiB)
-    message = advice(sampling(0, 6 * GiB, dit("fp8_per_row", held=8 * GiB), pe,
-                              accelerators=(("ERNIE-Image Cache-DiT", 1 * GiB),)))
-    assert "Chosen: DiT quantization fp8_per_row, weight_dtype bf16 (8.0 GiB on cuda:0); Prompt Enhancer dtype " \
-           "bf16, device cuda:0 (7.0 GiB on cuda:0)." in message
-    assert "Next step that fits (6.0 GiB missing): run the Prompt Enhancer on the CPU" in message
+def test_the_prompt_enhancer_in_fp8_then_on_the_cpu():
+    pe = PackModel(PROMPT_ENHANCER, 7 * GiB, "bf16", GPU, 7 * GiB, fp8_saving=3 * GiB)
+    fp8 = advice(sampling(0, 2 * GiB, dit("fp8_per_row", held=8 * GiB), pe))
+    assert ("Chosen: DiT quantization fp8_per_row, weight_dtype bf16 (8.0 GiB on cuda:0); Prompt Enhancer "
+            "weight_dtype bf16, device cuda:0 (7.0 GiB on cuda:0).") in fp8
+    assert "Next step that fits (2.0 GiB missing): set the Prompt Enhancer's weight_dtype to fp8_e4m3fn " \
+           "(pe_weight_dtype on the ERNIE-Image Loader)" in fp8
+    cpu = advice(sampling(0, 6 * GiB, dit("fp8_per_row", held=8 * GiB), pe))
+    assert "Next step that fits (6.0 GiB missing): run the Prompt Enhancer on the CPU" in cpu
+    assert "Prompt Enhancer's weight_dtype" not in cpu  # frees too little
+    taken = PackModel(PROMPT_ENHANCER, 4 * GiB, "fp8_e4m3fn", GPU, 4 * GiB)
+    assert not any("weight_dtype" in w for w in words(sampling(0, 1 * GiB, taken)))
+
+
+def test_an_accelerator_is_bypassed_when_that_frees_enough():
     cached = advice(sampling(0, 1 * GiB, dit("fp8_per_row", held=8 * GiB),
                              accelerators=(("ERNIE-Image Cache-DiT", 1 * GiB),)))
     assert "1.0 GiB of it for ERNIE-Image Cache-DiT" in cached
     assert "Next step that fits (1.0 GiB missing): bypass ERNIE-Image Cache-DiT" in cached
+
+
+def test_the_text_models_describe_their_weights_from_their_tensors(tiny_models):
+    """The tiny PE as the enhancer holds it (gate and up stacked into one layer), in bf16 and in fp8: what fp8
+    frees is what the fp8 model holds less."""
+    source = snapshot_source(tiny_models["snapshot"])
+    bf16, fp8 = (source.load(torch.bfloat16, fp8=f)[0] for f in (False, True))
+    for model in (bf16, fp8):
+        fuse_mlp_projections(model)
+    plain, held = ministral_choices(PROMPT_ENHANCER, bf16), ministral_choices(PROMPT_ENHANCER, fp8)
+    assert (plain.weight_dtype, held.weight_dtype) == ("bf16", "fp8_e4m3fn")
+    assert plain.size - plain.fp8_saving == held.size and held.fp8_saving == 0
 
 
 def test_unknown_or_under_counted_free_memory_names_the_cheapest_step():
