@@ -23,7 +23,7 @@ from .host.memory import capacity, fits_whole, torch_device, usable_memory
 from .host.sizes import module_bytes
 from .inputs import wants_fp8
 from .pe.nodes import pe_weight_dtype_input, snapshot_pe
-from .quant.capability import METHODS, probe
+from .quant.capability import METHODS, cuda_arch, halving_method, probe
 from .quant.choice import AUTO, choose, fp8_bytes
 from .quant.quantize import load_quantized_dit
 from .sockets import ErniePEType, ErnieTextEncoderType
@@ -63,6 +63,11 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, 
             free_memory=usable_memory,
             cache_root=Path(folder_paths.models_dir) / "ernie_quantized",  # where SVDQuant DiTs are saved
         )
+    # Read back by the out-of-memory advice (dit/model.py ``memory_choices``), which cannot see the quant feature:
+    # the method in use (auto's choice where auto was asked), and the one that would halve the DiT on this GPU.
+    dit.quantization, dit.quantize_to = quantization, halving_method(cuda_arch(device))
+    if getattr(dit, "gguf_types", None):
+        dit.quantization, dit.quantize_to = "GGUF", None  # quantized in its file: no loader method applies
     # Core's mixed-precision layers and the GGUF layers under torch.compile are unverified (they have not run on a
     # GPU): a file held in them stays eager unless ErnieImageCompile asks, as do the methods that say so. Blocks
     # stored in fp8 compile only where Triton converts fp8 (sm89+).

@@ -26,7 +26,7 @@ BLOCKED = sorted(CORE_MODULES | {"folder_paths", "comfy_api"})
 # Paths under nodes/.
 ENGINE = [
     "__init__.py", "errors.py", "model_files.py", "ministral_file.py", "quant_layout.py", "structure.py",
-    "fp8_linear.py",
+    "fp8_linear.py", "memory_advice.py",
     "gguf/__init__.py", "gguf/dequant.py", "gguf/header.py", "gguf/reader.py",
     "accel/__init__.py", "accel/cache.py", "accel/cache_presets.py", "accel/compile.py",
     "quant/__init__.py", "quant/capability.py", "quant/choice.py", "quant/quantize.py", "quant/requantize.py",

@@ -14,9 +14,10 @@ PACK = "nodes"
 FEATURES = {"dit", "text", "pe", "lora", "accel", "quant"}
 HOST = "host"  # every use of ComfyUI's internals (test_host_layer.py)
 # Small modules every feature may build on: errors, file reading and checks, model folders and the model-choice
-# grammar, node input checks, the pack's socket types, the GGUF file format (``gguf/``). They import only each other.
+# grammar, node input checks, the pack's socket types, the GGUF file format (``gguf/``), the out-of-memory advice
+# (the host words it for every feature's models). They import only each other.
 SHARED = {"errors", "model_files", "paths", "choices", "structure", "quant_layout", "ministral_file", "fp8_linear",
-          "inputs", "sockets", "gguf"}
+          "inputs", "sockets", "gguf", "memory_advice"}
 TOP = {"loaders", "extension"}  # and the package itself: they may import anything of the pack
 
 

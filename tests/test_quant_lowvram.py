@@ -23,6 +23,7 @@ from comfyui_ernie_image.nodes.host.memory import usable_memory
 from comfyui_ernie_image.nodes.host.patchers import WholeModelPatcher, place
 from comfyui_ernie_image.nodes.quant.quantize import quantization_device, quantize_torchao
 from comfyui_ernie_image.nodes.text.managed import ManagedTextEncoder
+from helpers.faults import OutOfMemoryInAttention, OutOfMemoryOnMoves
 from scripts.tiny_models import TINY_DIT
 
 GPU = torch.device("meta")
@@ -63,26 +64,19 @@ def test_the_model_is_never_unloaded_in_part(patcher):
     assert devices(patcher) == {"meta"}  # ComfyUI then unloads the whole model (LoadedModel.model_unload)
 
 
-class OutOfMemoryOnMoves(TorchFunctionMode):
-    """A GPU that is full: every move to it fails (injected: the CPU cannot run out of GPU memory)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.to:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
-        return func(*args, **(kwargs or {}))
-
-
 def test_fault_injected_out_of_memory_says_what_the_whole_model_needs(patcher):
-    """Still an out-of-memory error, so that ComfyUI frees its models as for any other, with what to do."""
+    """Still an out-of-memory error, so that ComfyUI frees its models as for any other, with what to do (the
+    advice for each state: test_oom_advice.py)."""
     with OutOfMemoryOnMoves(), pytest.raises(torch.OutOfMemoryError) as raised:
         patcher.load(GPU, lowvram_model_memory=patcher.model_size() // 2)
     message = str(raised.value)
     name = type(patcher.model).__name__
     assert name in ("ErnieImageModel", "TextEncoderModule")  # as ComfyUI's log names them
-    assert message.startswith(f"ERNIE-Image: {name} needs {patcher.model_size() / 2**30:.1f} GiB on meta as a whole "
-                              "(the pack's models cannot")
+    assert message.startswith("ERNIE-Image: the ")
+    assert f"({name}) needs {patcher.model_size() / 2**20:.1f} MiB on meta as a whole (it cannot be loaded in part)" \
+        in message.splitlines()[0]
+    assert "\nNext step" in message
     assert message.endswith("\nCUDA out of memory. Tried to allocate 64.00 MiB")
-    assert "quantize the DiT in its loader (fp8_per_row or int8_weight_only)" in message
 
 
 def test_quantized_weights_count_by_what_they_hold():
@@ -193,23 +187,14 @@ def test_models_are_placed_outside_inference_mode_and_only_when_elsewhere():
     assert moves.inference_mode == {False} and {p.device.type for p in transformer.parameters()} == {"meta"}
 
 
-class OutOfMemoryInAttention(TorchFunctionMode):
-    """A GPU that fills up during sampling (injected: the CPU cannot run out of GPU memory)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 198.00 MiB")
-        return func(*args, **(kwargs or {}))
-
-
 def test_fault_injected_out_of_memory_while_sampling_says_how_to_make_room(tiny_models):
-    """As the Cache-DiT workflow on an emulated 16 GB card did on the H200 (the bf16 DiT fits, its caches not)."""
+    """As the Cache-DiT workflow on an emulated 16 GB card did on the H200 (the bf16 DiT fits, its caches not): an
+    out-of-memory error still, the advice first (each state's: test_oom_advice.py)."""
     from helpers.accel import sample, tiny_patcher
 
     with OutOfMemoryInAttention(), pytest.raises(torch.OutOfMemoryError) as raised:
         sample(tiny_patcher(tiny_models["snapshot"]), steps=1)
-    assert str(raised.value) == (
-        "ERNIE-Image: sampling ran out of GPU memory beside the DiT's weights. Make room: quantize the DiT in its "
-        "loader (fp8_per_row halves its weights), bypass ERNIE-Image Cache-DiT (its caches take memory at every step), "
-        "make the image smaller, or close other programs that use the GPU.\n"
-        "CUDA out of memory. Tried to allocate 198.00 MiB")
+    message = str(raised.value)
+    assert message.startswith("ERNIE-Image: sampling a 128×128 image ran out of memory on cpu: the step needs about ")
+    assert "Chosen: DiT quantization none, weight_dtype fp32" in message
+    assert message.endswith("\nCUDA out of memory. Tried to allocate 198.00 MiB")

@@ -37,6 +37,7 @@ from ..host.sampling import (
     SAMPLER_SAMPLE,
     SAMPLER_SAMPLE_ARGS,
     memory_estimate_plus,
+    note_run_memory,
     set_wrapper,
     show_on_node,
     wrapper_arguments,
@@ -69,6 +70,9 @@ def _cache_sampler_sample(executor, *args, **kwargs):
     holder, blocks_name = dit_blocks(guider.model_patcher)
     run = CacheRun(holder, blocks_name, job.settings, steps=len(sigmas) - 1)
     transformer_options[RUN_KEY] = run  # reached by _cache_apply_model at each model call
+    # What a step that runs out of memory counts as freed by bypassing the node (host/oom.py).
+    note_run_memory(transformer_options, "ERNIE-Image Cache-DiT",
+                    functools.partial(cache_store_bytes, holder, guider.model_patcher.model, job.settings))
     try:
         run.install()
         return executor(*args, **kwargs)
@@ -98,18 +102,22 @@ def _cache_prepare_sampling(executor, *args, **kwargs):
     call = wrapper_arguments(PREPARE_SAMPLING_ARGS, args, kwargs)
     model, conds = call["model"], call["conds"]
     job: CacheJob = call["model_options"]["transformer_options"][CACHE_KEY]
-    base = model.model
     holder, _ = dit_blocks(model)
-    embedder = holder.x_embedder.proj  # the pack's DiT and ComfyUI's native one: a patch_size conv to the width
     text = max((c["cross_attn"].shape[1] for cs in conds.values() for c in cs if "cross_attn" in c), default=0)
-    element = dtype_size(base.manual_cast_dtype or base.get_dtype())
-
-    def cache_stores(input_shape) -> int:
-        tokens = math.prod(input_shape[2:]) // math.prod(embedder.kernel_size) + text
-        return stored_streams(job.settings) * input_shape[0] * tokens * embedder.out_channels * element
-
-    with memory_estimate_plus(base, cache_stores):
+    with memory_estimate_plus(model.model, lambda shape: cache_store_bytes(holder, model.model, job.settings,
+                                                                            shape, text)):
         return executor(*args, **kwargs)
+
+
+def cache_store_bytes(holder: torch.nn.Module, base, settings: CacheSettings, input_shape: list[int],
+                       text_tokens: int) -> int:
+    """The bytes cache-dit keeps across steps for a batch of latent ``input_shape`` with ``text_tokens`` of text:
+    ``stored_streams`` tensors shaped like the blocks' stream, in the dtype the DiT computes in (``base``: its
+    BaseModel)."""
+    embedder = holder.x_embedder.proj  # the pack's DiT and ComfyUI's native one: a patch_size conv to the width
+    tokens = math.prod(input_shape[2:]) // math.prod(embedder.kernel_size) + text_tokens
+    element = dtype_size(base.manual_cast_dtype or base.get_dtype())
+    return stored_streams(settings) * input_shape[0] * tokens * embedder.out_channels * element
 
 
 def apply_cache(model, job: CacheJob):

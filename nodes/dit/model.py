@@ -17,20 +17,19 @@ import torch
 
 from ..errors import ErnieImageError
 from ..host.gguf_layers import GGUFModelPatcher
+from ..host.memory import allocated_memory
 from ..host.model import FLOW, BaseModel, CONDConstant, CONDRegular, Flux2LatentFormat, SupportedModel, model_patcher
+from ..host.oom import sampling_advice
 from ..host.patchers import WholeModelPatcher, dit_patcher_class, out_of_memory
 from ..host.sampling import run_diffusion_model
+from ..host.sizes import module_bytes
+from ..memory_advice import DIT, PackModel, dtype_name, one_byte_saving
 from .attention import say_unapplied_patches
 from .dit import ErnieImageDiT
 from .precision import Precision
 from .schedule import DEFAULT_SHIFT
 
-# What is left for sampling is the card less the DiT's weights on it (15 GiB in bf16 when loaded whole).
-SAMPLING_ADVICE = (
-    "sampling ran out of GPU memory beside the DiT's weights. Make room: quantize the DiT in its loader "
-    "(fp8_per_row halves its weights), bypass ERNIE-Image Cache-DiT (its caches take memory at every step), make the "
-    "image smaller, or close other programs that use the GPU."
-)
+PIXELS_PER_LATENT = 16  # Flux.2 latents: one latent pixel per 16 x 16 image pixels (EmptyFlux2LatentImage's step)
 
 
 class ErnieImageConfig(SupportedModel):
@@ -88,13 +87,20 @@ class ErnieImageDiffusionModel(ErnieImageDiT):
     diffusion-model wrappers, a check of the latent, and out-of-memory advice."""
 
     precision: Precision  # its dtypes, as build.py resolved them
+    # What the loader chose and could choose (loaders.py sets them), for the out-of-memory advice: its quantization
+    # input, and the method that would hold its block weights in one byte on its GPU (None: none runs there).
+    quantization: str = "none"
+    quantize_to: str | None = None
 
     def forward(self, x, timestep, context, text_lens, transformer_options={}, **kwargs):
+        started = allocated_memory(x.device)  # what was held before this step: the advice counts the step's own
         try:
             return run_diffusion_model(self._forward, self, transformer_options, x, timestep, context, text_lens,
                                        transformer_options, **kwargs)
         except torch.OutOfMemoryError as error:
-            raise out_of_memory(error, SAMPLING_ADVICE) from error
+            image = (x.shape[-1] * PIXELS_PER_LATENT, x.shape[-2] * PIXELS_PER_LATENT)
+            raise out_of_memory(error, sampling_advice(self, list(x.shape), context.shape[1], x.device, image,
+                                                       PIXELS_PER_LATENT, transformer_options, started)) from error
 
     def _forward(self, x, timestep, context, text_lens, transformer_options={}, **kwargs):
         if x.ndim != 4 or x.shape[1] != self.in_channels:
@@ -117,6 +123,19 @@ class ErnieImageModel(BaseModel):
     def apply_model(self, *args, **kwargs):
         _refuse_replaced_forwards(self.diffusion_model)
         return super().apply_model(*args, **kwargs)
+
+    def memory_choices(self) -> PackModel:
+        """The DiT's loader choices and bytes, for the out-of-memory advice (``host/oom.py`` adds its device and
+        what it holds there): the savings of one-byte block weights are measured from its block linears."""
+        dit = self.diffusion_model
+        blocks = [m.weight for name, m in dit.named_modules()
+                  if isinstance(m, torch.nn.Linear) and name.startswith("layers.")]
+        # A GGUF DiT's blocks are quantized already (4 to 8 bits): no fp8 or quantization step saves anything there.
+        saving = 0 if getattr(dit, "gguf_types", None) else one_byte_saving(blocks)
+        storage = getattr(getattr(dit, "precision", None), "storage", None) or self.get_dtype()
+        return PackModel(DIT, module_bytes(dit), dtype_name(storage), fp8_saving=saving,
+                         quantization=getattr(dit, "quantization", "none"),
+                         quantize_to=getattr(dit, "quantize_to", None), quantize_saving=saving)
 
     def extra_conds(self, **kwargs) -> dict:
         cross_attn = kwargs.get("cross_attn")

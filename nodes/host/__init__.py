@@ -5,7 +5,9 @@ The rest of the pack reaches ComfyUI only through these modules or through the V
 versions are never parsed, only features looked up (``hasattr``, signatures).
 
 - ``patchers``: the ModelPatcher classes (core's dynamic one where the core has it, whole-model loading for foreign
-  modules), device moves outside inference mode, the out-of-memory wording;
+  modules), device moves outside inference mode, the out-of-memory error;
+- ``oom``: the state at an out-of-memory error (free memory, the models ComfyUI holds and their choices), for the
+  advice ``memory_advice`` words;
 - ``memory``: free memory, dtypes and devices as ComfyUI counts and chooses them, the RAM-pressure cache's sizes;
 - ``sampling``: wrappers and the memory estimate around sampling runs, the node text, progress and interrupts;
 - ``ops``: which ``comfy.ops`` layers hold the DiT's weights, quantized file layouts included;

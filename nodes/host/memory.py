@@ -5,19 +5,19 @@
   alone (0.3.75) does not know of them.
 - The text encoder's device: under dynamic VRAM core's ``text_encoder_device()`` is always the GPU, also with
   ``--lowvram`` (its weights are meant to stream), but the pack's text encoder loads whole: where the card could
-  not hold it even with every other model unloaded, it runs on the offload device instead, and the log says so.
+  not hold it even with every other model unloaded, it runs on the offload device instead, and the log says so
+  (``patchers.text_model_patcher``, sized by ``fits_whole`` here).
 """
 
 from __future__ import annotations
 
-import logging
-
 import comfy.cli_args
 import comfy.model_management as mm
+import comfy.model_patcher
 import torch
 
-from .patchers import ModelPatcher, WholeModelPatcher
-from .sizes import module_bytes
+# Not from ``patchers``: it builds on this module (``text_model_patcher`` sizes a model against the card).
+ModelPatcher = comfy.model_patcher.ModelPatcher
 
 # ComfyUI's flags that fix the diffusion model's weight dtype for every model.
 UNET_DTYPE_FLAGS = ("fp32_unet", "fp64_unet", "bf16_unet", "fp16_unet", "fp8_e4m3fn_unet", "fp8_e5m2_unet",
@@ -91,20 +91,6 @@ def text_devices(choice: str = "default") -> tuple[torch.device, torch.device]:
     return device, offload if device.type != "cpu" else device
 
 
-def text_model_patcher(container: torch.nn.Module, load: torch.device, offload: torch.device,
-                       what: str, chosen: bool) -> WholeModelPatcher:
-    """A patcher that loads ``container`` whole on ``load`` on demand. Where the device was core's choice
-    (``chosen`` False) and it cannot hold the model with everything else unloaded, the model runs on ``offload``
-    instead, in the dtype it was read in (bf16 on the CPU holds half of fp32's RAM), and the log says so."""
-    size = module_bytes(container)
-    if not chosen and load != offload and not fits_whole(size, load):
-        logging.warning("ERNIE-Image: the %s (%.1f GiB) does not fit on %s (%.1f GiB usable with nothing else "
-                        "loaded); it runs on %s. Its loader's device input picks another device.", what,
-                        size / 2**30, load, max(capacity(load), 0) / 2**30, offload)
-        load = offload
-    return WholeModelPatcher(container, load_device=load, offload_device=offload)
-
-
 def load_whole(patcher: ModelPatcher, memory_required: int = 0) -> None:
     """Load ``patcher`` on its device with ``memory_required`` bytes beside it, making room as ComfyUI does."""
     mm.load_models_gpu([patcher], memory_required=memory_required, force_full_load=True)
@@ -117,3 +103,8 @@ def intermediate_device() -> torch.device:
 
 def dtype_size(dtype: torch.dtype) -> int:
     return mm.dtype_size(dtype)
+
+
+def allocated_memory(device: torch.device) -> int:
+    """Bytes torch's allocator has handed out on ``device`` now (0 but on CUDA, whose allocator counts them)."""
+    return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0

@@ -14,6 +14,9 @@ reaches torchao's quantized weights undecomposed and their aliasing fix-up fails
 a tensor on device cpu to a storage on different device cuda:0", torchao 0.17 on the H200). Every weight the pack
 makes is a normal tensor, never an inference tensor (``model_files.builds_weights``), so it moves either way.
 
+A model that cannot be loaded whole raises out-of-memory advice that fits the state (``oom.load_advice``): what
+is chosen for each of the pack's models ComfyUI holds, and the next step that would fit.
+
 Every override here takes and passes on keyword arguments it does not know: core adds them across versions.
 """
 
@@ -33,6 +36,8 @@ import torch
 from comfy.patcher_extension import CallbacksMP
 
 from ..errors import ErnieImageError
+from .memory import capacity, fits_whole
+from .oom import load_advice
 from .sizes import module_bytes
 
 ModelPatcher = comfy.model_patcher.ModelPatcher
@@ -136,6 +141,8 @@ class WholeModelPatcher(OutsideInferenceMode, ModelPatcher):
     (on the offload device, as core keeps its backups), so unloading or a changed LoRA stack restores it exactly.
     Everything else (the text encoder, the PE, an SVDQuant DiT) refuses patches."""
 
+    loads_whole = True  # read by the out-of-memory advice (oom.py), which cannot import this module
+
     def _requantizer(self):
         return getattr(getattr(self.model, "diffusion_model", None), "requantizer", None)
 
@@ -144,13 +151,7 @@ class WholeModelPatcher(OutsideInferenceMode, ModelPatcher):
         try:
             loaded = super().load(device_to, lowvram_model_memory, force_patch_weights, full_load=True, **kwargs)
         except torch.OutOfMemoryError as error:
-            raise out_of_memory(
-                error, f"{type(self.model).__name__} needs {self.model_size() / 2**30:.1f} GiB on "
-                f"{device_to or self.load_device} as a whole (the pack's models cannot be loaded in part). Make room: "
-                "quantize the DiT in its loader (fp8_per_row or int8_weight_only), put the Prompt Enhancer or the "
-                "text encoder on another device (their loaders' device input), or close other programs that use "
-                "the GPU."
-            ) from error
+            raise out_of_memory(error, load_advice(self, device_to or self.load_device)) from error
         if self.requantize_seconds:
             logging.info("ERNIE-Image: merged LoRA patches into %d quantized layers (re-quantized in %.1f s)",
                          len(self.requantize_seconds), sum(self.requantize_seconds))
@@ -183,6 +184,20 @@ class WholeModelPatcher(OutsideInferenceMode, ModelPatcher):
 
     def partially_unload(self, *args, **kwargs) -> int:
         return 0  # frees nothing: ComfyUI then unloads the whole model
+
+
+def text_model_patcher(container: torch.nn.Module, load: torch.device, offload: torch.device,
+                       what: str, chosen: bool) -> WholeModelPatcher:
+    """A patcher that loads ``container`` whole on ``load`` on demand. Where the device was core's choice
+    (``chosen`` False) and it cannot hold the model with everything else unloaded, the model runs on ``offload``
+    instead, in the dtype it was read in (bf16 on the CPU holds half of fp32's RAM), and the log says so."""
+    size = module_bytes(container)
+    if not chosen and load != offload and not fits_whole(size, load):
+        logging.warning("ERNIE-Image: the %s (%.1f GiB) does not fit on %s (%.1f GiB usable with nothing else "
+                        "loaded); it runs on %s. Its loader's device input picks another device.", what,
+                        size / 2**30, load, max(capacity(load), 0) / 2**30, offload)
+        load = offload
+    return WholeModelPatcher(container, load_device=load, offload_device=offload)
 
 
 def on_detach(patcher: ModelPatcher, callback) -> None:

@@ -35,6 +35,11 @@ SAMPLER_SAMPLE_ARGS = ("guider", "sigmas", "extra_args")
 APPLY_MODEL_ARGS = ("x", "t", "c_concat", "c_crossattn", "control", "transformer_options")
 PREPARE_SAMPLING_ARGS = ("model", "noise_shape", "conds", "model_options")
 
+# What per-run accelerators keep on the device across steps, for the out-of-memory advice (``oom.sampling_advice``):
+# ``{node name: estimate(input_shape, text_tokens) -> bytes}`` in a run's own transformer_options, which core copies
+# (shallowly) into every model call's.
+RUN_MEMORY = "ernie_image_run_memory"
+
 
 def wrapper_arguments(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict:
     """A wrapper's arguments by name (after the executor), from positions or keywords."""
@@ -57,6 +62,17 @@ def run_diffusion_model(forward: Callable, module: torch.nn.Module, transformer_
         forward, module,
         comfy.patcher_extension.get_all_wrappers(WrappersMP.DIFFUSION_MODEL, transformer_options))
     return executor.execute(*args, **kwargs)
+
+
+def note_run_memory(transformer_options: dict, name: str, estimate: Callable[[list[int], int], int]) -> None:
+    """Say, for this run, that the node ``name`` keeps ``estimate(input_shape, text_tokens)`` bytes across steps.
+    A new dict, never the one a copy of the options may share."""
+    transformer_options[RUN_MEMORY] = {**transformer_options.get(RUN_MEMORY, {}), name: estimate}
+
+
+def run_memory(transformer_options: dict) -> dict[str, Callable[[list[int], int], int]]:
+    """The estimates ``note_run_memory`` left in a model call's ``transformer_options``, by node name."""
+    return dict(transformer_options.get(RUN_MEMORY, {}))
 
 
 def call_accepting(function: Callable, *args, **kwargs):

@@ -8,14 +8,19 @@ from collections.abc import Callable
 
 import torch
 
-from ..host.memory import load_whole, text_devices, text_model_dtype, text_model_patcher, torch_device, usable_memory
-from ..host.patchers import ManagedModule, on_detach
+from ..host.memory import load_whole, text_devices, text_model_dtype, torch_device, usable_memory
+from ..host.patchers import ManagedModule, on_detach, text_model_patcher
 from ..host.sampling import Interrupted, interrupted, progress_bar, raise_if_interrupted
+from ..memory_advice import PROMPT_ENHANCER, PackModel, ministral_choices
 from .runtime import Runtime
 
 
 class PromptEnhancerModule(ManagedModule):
     """The PE language model as ComfyUI's model management holds it (the class name shows in ComfyUI's log)."""
+
+    def memory_choices(self) -> PackModel:
+        """Its dtype and bytes, for the out-of-memory advice (``host/oom.py`` adds its device)."""
+        return ministral_choices(PROMPT_ENHANCER, self.module)
 
 
 class ComfyRuntime(Runtime):

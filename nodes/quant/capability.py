@@ -69,6 +69,10 @@ METHODS: dict[str, Method] = {
 }
 # What to offer instead of a method that cannot run, best first.
 FALLBACKS = ("svdq_int4_r32_dq", "fp8_per_row", "int8_weight_only")
+# What the out-of-memory advice offers to halve a DiT, best first: torchao's methods, which hold each block weight in
+# one byte, quantize in seconds at every load and take LoRAs (SVDQuant's W4A4 takes minutes the first time, no LoRAs,
+# and its kernels are a separate build).
+HALVING = ("fp8_per_row", "int8_weight_only")
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -84,6 +88,18 @@ class Facts:
     svdq_kernels: bool = False  # cache_dit._C_svdquant imports
     svdq_error: str = ""  # why it does not
     cache_dit: str = ""  # the installed cache-dit version
+
+
+def cuda_arch(device: torch.device) -> Arch | None:
+    """The CUDA compute capability of ``device``; None for anything but an NVIDIA GPU (the CPU, ROCm's cuda)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def halving_method(arch: Arch | None) -> str | None:
+    """The first of ``HALVING`` that runs on a GPU of ``arch`` (None: none does, as on the CPU)."""
+    return next((name for name in HALVING if arch is not None and METHODS[name].runs_on(arch)), None)
 
 
 def probe(device: torch.device) -> Facts:
@@ -103,7 +119,7 @@ def probe(device: torch.device) -> Facts:
     name = torch.cuda.get_device_name(device)
     if torch.version.hip is not None:  # an AMD GPU behind torch's cuda device type
         return Facts(**{**common, "device": f"{device} ({name}, ROCm)"})
-    return Facts(gpu=name, arch=torch.cuda.get_device_capability(device), **common)
+    return Facts(gpu=name, arch=cuda_arch(device), **common)
 
 
 def fallback(method: str, facts: Facts) -> str | None:

@@ -6,20 +6,19 @@ from pathlib import Path
 
 import torch
 
-from ..host.memory import (
-    intermediate_device,
-    load_whole,
-    text_devices,
-    text_model_dtype,
-    text_model_patcher,
-)
-from ..host.patchers import ManagedModule, place
+from ..host.memory import intermediate_device, load_whole, text_devices, text_model_dtype
+from ..host.patchers import ManagedModule, place, text_model_patcher
 from ..host.sizes import CacheSized
+from ..memory_advice import TEXT_ENCODER, PackModel, ministral_choices
 from .encoder import ErnieTextEncoder
 
 
 class TextEncoderModule(ManagedModule):
     """The text encoder as ComfyUI's model management holds it (the class name shows in ComfyUI's log)."""
+
+    def memory_choices(self) -> PackModel:
+        """Its weight dtype and bytes, for the out-of-memory advice (``host/oom.py`` adds its device)."""
+        return ministral_choices(TEXT_ENCODER, self.module)
 
 
 class ManagedTextEncoder(CacheSized):
