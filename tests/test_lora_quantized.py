@@ -178,7 +178,7 @@ def test_the_loader_records_how_to_quantize_again(tiny_models, monkeypatch):
     monkeypatch.setattr(quantize, "require", lambda *args: None)
     monkeypatch.setattr(quantize, "probe", lambda device: None)
 
-    def per_layer(transformer, quant_type, on):
+    def per_layer(transformer, quant_type, on, per_block=False):
         for linear in block_linears(transformer).values():
             requantizer = Requantizer(tiny_models["snapshot"], quant_type, DTYPE, tensor_locations)
             linear.weight = requantizer.quantized(linear.weight)
