@@ -199,3 +199,16 @@ def test_an_svdquant_dit_still_refuses_loras(plain):
                                               "int8_weight_only"):
         apply_lora(model, lora_file("peft", deltas(LAYERS, 1)), 1.0, "x")
 
+
+
+def test_a_lora_applies_inside_the_inference_mode_comfyui_runs_nodes_in(tiny_models, method, plain):
+    """ComfyUI runs the LoRA loader under ``torch.inference_mode()``, where core's ``add_patches`` reads the model's
+    ``state_dict()``: torchao's weights cannot be detached there (the GPU check's LoRA on the FP8 recipe failed so:
+    "Cannot set version_counter for inference tensor"). The patches are taken outside it, as loads are."""
+    lora = deltas(LAYERS, seed=1)
+    with torch.inference_mode():
+        patched, report = apply_lora(plain[0], lora_file("peft", lora), 1.0, "style")
+        ours = sample(patched)
+    expected = sample(quantized_dit(tiny_models["snapshot"], method, lora_deltas((lora, 1.0))))
+    assert report.applied == 3
+    assert distance(ours, expected) < TOLERANCE

@@ -166,7 +166,10 @@ class WholeModelPatcher(OutsideInferenceMode, ModelPatcher):
                 "it with fp8_per_row or int8_weight_only (the LoRA is merged before quantizing), or load it with "
                 "quantization none (weight_dtype fp8_e4m3fn halves its memory and takes LoRAs)."
             )
-        return super().add_patches(patches, strength_patch, strength_model, **kwargs)
+        # Core reads the model's state_dict() here, which detaches every weight: torchao's cannot be detached
+        # inside the inference mode ComfyUI runs nodes in ("Cannot set version_counter for inference tensor").
+        with torch.inference_mode(False):
+            return super().add_patches(patches, strength_patch, strength_model, **kwargs)
 
     def patch_weight_to_device(self, key, device_to=None, inplace_update=False, **kwargs):
         requantizer = self._requantizer()
