@@ -151,10 +151,13 @@ def test_one_block_at_a_time_quantizes_as_the_whole_dit_cuda_platform_stood_in(m
 
     monkeypatch.setattr(quantize_ao.current_platform, "is_accelerator_available", lambda: True)
     monkeypatch.setattr(quantize_ao.current_platform, "device_type", "cuda")
+    pauses = []  # cache-dit's 2 s pause after each quantize call (utils.maybe_empty_cache), counted instead
+    monkeypatch.setattr(quantize_ao, "maybe_empty_cache", lambda: pauses.append(1))
     whole = tiny_dit().to(torch.bfloat16)
     blocks = copy.deepcopy(whole)
     quantize_torchao(whole, quant_type, torch.device("cpu"))
     quantize_torchao(blocks, quant_type, torch.device("cpu"), per_block=True)
+    assert len(pauses) == 2  # one per model, not one per block (the 16 GB card's first run lost 104 s to them)
     quantized = {name: type(p) for name, p in whole.named_parameters() if type(p) is not torch.nn.Parameter}
     assert quantized and all(name.startswith("layers.") for name in quantized)
     assert {name: type(p) for name, p in blocks.named_parameters() if type(p) is not torch.nn.Parameter} == quantized
