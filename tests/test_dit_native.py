@@ -8,16 +8,9 @@ import torch
 
 from comfyui_ernie_image.nodes.dit.build import load_dit
 from comfyui_ernie_image.nodes.dit.model import make_model_patcher
-from helpers.accel import text, tiny_patcher
+from helpers.accel import predict, tiny_patcher
 
 CPU = torch.device("cpu")
-
-
-def _predict(patcher) -> torch.Tensor:
-    torch.manual_seed(5)
-    x, prompt = torch.randn(1, 128, 4, 4), text(6, 1)
-    with torch.inference_mode():
-        return patcher.model.diffusion_model(x, torch.tensor([500.0]), prompt, [6])
 
 
 def test_the_model_is_cores_own_patcher_and_loads_in_part(tiny_models):
@@ -29,7 +22,7 @@ def test_the_model_is_cores_own_patcher_and_loads_in_part(tiny_models):
     part.load(CPU, lowvram_model_memory=part.model_size() // 3)
     cast = [m for m in part.model.diffusion_model.modules() if getattr(m, "comfy_cast_weights", False)]
     assert 0 < len(cast) < len([m for m in part.model.diffusion_model.modules() if hasattr(m, "comfy_cast_weights")])
-    torch.testing.assert_close(_predict(part), _predict(whole), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(predict(part), predict(whole), rtol=1e-5, atol=1e-6)
 
 
 def test_cores_lora_key_mapping_reaches_every_released_weight(tiny_models):

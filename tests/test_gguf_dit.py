@@ -17,7 +17,7 @@ from comfyui_ernie_image.nodes.host.gguf_layers import GGUFModelPatcher, weight_
 from comfyui_ernie_image.nodes.host.sizes import module_bytes
 from comfyui_ernie_image.nodes.lora.patching import apply_lora
 from helpers import lora as lora_helpers
-from helpers.accel import sample, text
+from helpers.accel import predict, sample
 from helpers.gguf_files import gguf_bytes, mixed_kind, reference_state, tiny_state, uniform_kind, write_gguf
 from scripts.tiny_models import TINY_DIT
 
@@ -43,13 +43,6 @@ def _reference_model(path):
 def _held_blocks(dit) -> dict[str, tuple[str, int]]:
     return {f"{name}.weight": (m.gguf_type, m.weight.nbytes) for name, m in dit.named_modules()
             if getattr(m, "gguf_type", None)}
-
-
-def _predict(patcher) -> torch.Tensor:
-    torch.manual_seed(5)
-    x, prompt = torch.randn(1, 128, 4, 4), text(6, 1)
-    with torch.inference_mode():
-        return patcher.model.diffusion_model(x, torch.tensor([500.0]), prompt, [6])
 
 
 def test_the_linear_layers_keep_the_files_blocks(gguf_file):
@@ -97,7 +90,7 @@ def test_a_partial_load_streams_layers_and_predicts_as_the_whole_load(gguf_file)
     streamed = [m for m in part.model.diffusion_model.modules() if getattr(m, "gguf_type", None)
                 and m.comfy_cast_weights]
     assert streamed and part.model.model_lowvram
-    error = (_predict(part) - _predict(whole)).abs().max().item()
+    error = (predict(part) - predict(whole)).abs().max().item()
     print(f"{gguf_file.name}: max |partial - whole| = {error:.3g}")
     assert error <= 1 / 255
 
@@ -138,17 +131,17 @@ def test_a_lora_on_streamed_layers_and_its_removal(gguf_file):
                    for name in ("self_attention.to_q", "mlp.up_proj"))
     deltas, lora = _lora_file(layers, seed=2)
     base = _gguf_model(gguf_file)
-    before = _predict(base)
+    before = predict(base)
     patched, _ = apply_lora(base, lora, 1.0, "tiny.safetensors")
     patched.load(CPU, lowvram_model_memory=patched.model_size() // 3)
     assert patched.model.lowvram_patch_counter > 0, "no LoRA layer was streamed: the test needs a smaller share"
     assert any(patched.backup), "no LoRA layer was loaded whole"
     merged = _merged_reference(gguf_file, deltas, 1.0)
-    with_lora = _predict(patched)
+    with_lora = predict(patched)
     assert (with_lora - before).abs().max() > 1e-3, "the LoRA changed nothing"
-    error = (with_lora - _predict(merged)).abs().max().item()
+    error = (with_lora - predict(merged)).abs().max().item()
     print(f"{gguf_file.name}: {patched.model.lowvram_patch_counter} streamed LoRA layers, "
           f"{len(patched.backup)} loaded; max |GGUF + LoRA - merged| = {error:.3g}")
     assert error < 1e-4
     patched.unpatch_model(CPU)
-    torch.testing.assert_close(_predict(base), before, rtol=0, atol=0)
+    torch.testing.assert_close(predict(base), before, rtol=0, atol=0)

@@ -81,3 +81,11 @@ def held_bytes(obj, seen: set[int] | None = None, storages: dict[int, int] | Non
         for value in vars(obj).values():
             held_bytes(value, seen, storages)
     return sum(storages.values())
+
+
+def predict(patcher) -> torch.Tensor:
+    """One forward of ``patcher``'s DiT on a fixed 4×4 latent and 6-token prompt, under inference mode."""
+    torch.manual_seed(5)
+    x, prompt = torch.randn(1, 128, 4, 4), text(6, 1)
+    with torch.inference_mode():
+        return patcher.model.diffusion_model(x, torch.tensor([500.0]), prompt, [6])
