@@ -71,13 +71,18 @@ def test_the_dit_samples_after_moves_and_after_free(comfy_paths, loader, name):
     torch.testing.assert_close(again, first)
 
 
-def test_a_dit_in_cores_quantized_layers_samples_after_moves_and_after_free(tiny_models, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "with a LoRA"])
+def test_a_dit_in_cores_quantized_layers_samples_after_moves_and_after_free(tiny_models, tmp_path, lora):
     """Core's mixed-precision layers hold their fp8 weights as tensor subclasses, which core's sizing (``state_dict``)
-    cannot detach inside inference mode once moved outside it."""
+    cannot detach inside inference mode once moved outside it; nor can a LoRA loader's ``add_patches``, which reads
+    the same ``state_dict`` inside it."""
     path = tmp_path / "ernie-image-turbo-fp8.safetensors"
     save_file(comfy_quant_fp8(read_safetensors(tiny_models["single_file"])), path)
     with torch.inference_mode():
         model = _load_model(path, "default", "none", 4.0)
+        if lora:
+            model, report = apply_lora(model, lora_file("ai-toolkit", deltas(LAYERS, 1)), 1.0, "tiny.safetensors")
+            assert report.applied == len(LAYERS)
     _samples_again_after_free(model)
 
 

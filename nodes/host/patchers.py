@@ -122,6 +122,11 @@ class OutsideInferenceMode:
         with torch.inference_mode(False):
             return super().unpatch_model(*args, **kwargs)
 
+    def add_patches(self, *args, **kwargs):
+        # Core reads state_dict() here to match the patches' keys (a LoRA loader runs inside inference mode).
+        with torch.inference_mode(False):
+            return super().add_patches(*args, **kwargs)
+
 
 @functools.cache
 def _outside_inference_mode(patcher_class: type) -> type:
@@ -166,10 +171,7 @@ class WholeModelPatcher(OutsideInferenceMode, ModelPatcher):
                 "it with fp8_per_row or int8_weight_only (the LoRA is merged before quantizing), or load it with "
                 "quantization none (weight_dtype fp8_e4m3fn halves its memory and takes LoRAs)."
             )
-        # Core reads the model's state_dict() here, which detaches every weight: torchao's cannot be detached
-        # inside the inference mode ComfyUI runs nodes in ("Cannot set version_counter for inference tensor").
-        with torch.inference_mode(False):
-            return super().add_patches(patches, strength_patch, strength_model, **kwargs)
+        return super().add_patches(patches, strength_patch, strength_model, **kwargs)
 
     def patch_weight_to_device(self, key, device_to=None, inplace_update=False, **kwargs):
         requantizer = self._requantizer()
