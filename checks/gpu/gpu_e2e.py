@@ -42,12 +42,11 @@ REPO = Path(__file__).resolve().parents[2]
 # Turbo first (run again after /free), the PE before the FP8 workflow: the order a user might meet them in.
 WORKFLOWS = ("ernie_image_turbo", "ernie_image_turbo_single_files", "ernie_image_pe_local", "ernie_image_low_vram",
              "ernie_image_base", "ernie_image_cache_compile", "ernie_image_turbo_lora", "ernie_image_low_vram_lora")
-# Twins the check makes from another (name: (the twin, what its loader's inputs become)), for recipes the low-VRAM
-# workflow's note gives without a shared workflow of their own: its loader with the LoRA workflow's LoRA, and the
-# Turbo workflow with the fp8 text encoder (the 24 GB card's bf16 recipe).
+# Twins the check makes from another (name: (the twin, what its loader's inputs become: those of another twin's
+# loader, or these)), for recipes the low-VRAM workflow's note gives without a shared workflow of their own: its
+# loader with the LoRA workflow's LoRA, and the Turbo workflow with the fp8 text encoder (24 GB, bf16 as released).
 DERIVED = {
-    "ernie_image_low_vram_lora": ("ernie_image_turbo_lora", {"quantization": "auto",
-                                                             "text_encoder_weight_dtype": "fp8_e4m3fn"}),
+    "ernie_image_low_vram_lora": ("ernie_image_turbo_lora", "ernie_image_low_vram"),
     "ernie_image_turbo_te_fp8": ("ernie_image_turbo", {"text_encoder_weight_dtype": "fp8_e4m3fn"}),
 }
 NOT_RUN = {"ernie_image_turbo_native": "needs ComfyUI >= 0.19 (native ERNIE loaders); the check runs {core}",
@@ -93,7 +92,9 @@ def twin_path(args, name: str) -> Path:
     if name not in DERIVED:
         return args.pack / "tests" / "workflows" / f"{name}.json"
     source, loader_inputs = DERIVED[name]
-    graph = json.loads((args.pack / "tests" / "workflows" / f"{source}.json").read_text())
+    graph = json.loads(twin_path(args, source).read_text())
+    if isinstance(loader_inputs, str):
+        loader_inputs = json.loads(twin_path(args, loader_inputs).read_text())["loader"]["inputs"]
     graph["loader"]["inputs"].update(loader_inputs)
     path = args.work / "derived" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
