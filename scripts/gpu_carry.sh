@@ -12,6 +12,6 @@ rm -rf .gpu/comfyui/tests .gpu/comfyui/tests-unit
 find .gpu/comfyui -name __pycache__ -prune -exec rm -rf {} +
 .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/wheels \
-    diffusers==0.42.1 cache-dit==1.5.3 torchao==0.17.0 importlib_metadata==8.7.0 torchsde==0.2.6 trampoline==0.1.2 \
+    diffusers==0.42.1 cache-dit==1.5.3 torchao==0.17.0 importlib_metadata==8.7.0 gguf==0.19.0 torchsde==0.2.6 trampoline==0.1.2 \
     2>&1 | { grep -v "is ignored: it is neither" || true; }
 du -sh .gpu
