@@ -12,7 +12,7 @@ from comfy_api.v0_0_2 import io
 from .accel.compile import compiles_by_default, fp8_cast_problem
 from .accel.patching import compile_by_default
 from .choices import SNAPSHOTS, ModelList, files
-from .dit.build import load_dit
+from .dit.build import dit_skeleton, load_dit
 from .dit.gguf import gguf_dtype, load_gguf_dit
 from .dit.model import make_model_patcher
 from .dit.precision import WEIGHT_DTYPES, asked_dtypes
@@ -58,10 +58,11 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, 
             quantization,
             source=path,
             locate=tensor_locations,
+            skeleton=lambda: dit_skeleton(path, dtype),
             dtype=dtype,
             device=device,
             free_memory=usable_memory,
-            cache_root=Path(folder_paths.models_dir) / "ernie_quantized",  # where SVDQuant DiTs are saved
+            cache_root=Path(folder_paths.models_dir) / "ernie_quantized",  # where quantized DiTs are saved
         )
     # Read back by the out-of-memory advice (dit/model.py ``memory_choices``), which cannot see the quant feature:
     # the method in use (auto's choice where auto was asked), and the one that would halve the DiT on this GPU.

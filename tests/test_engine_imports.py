@@ -30,7 +30,7 @@ ENGINE = [
     "gguf/__init__.py", "gguf/dequant.py", "gguf/header.py", "gguf/reader.py",
     "accel/__init__.py", "accel/cache.py", "accel/cache_presets.py", "accel/compile.py",
     "quant/__init__.py", "quant/capability.py", "quant/choice.py", "quant/quantize.py", "quant/requantize.py",
-    "quant/svdq_cache.py",
+    "quant/saved.py", "quant/torchao_file.py",
     "dit/attention.py", "dit/dit.py", "dit/schedule.py", "dit/weights.py",
     "lora/__init__.py", "lora/keys.py",
     "pe/__init__.py", "pe/protocol.py", "pe/cache.py", "pe/runtime.py",

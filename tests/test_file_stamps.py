@@ -8,7 +8,7 @@ import json
 
 from comfyui_ernie_image.nodes.model_files import file_stamps
 from comfyui_ernie_image.nodes.pe.local.weights import PESource
-from comfyui_ernie_image.nodes.quant.svdq_cache import source_identity, weight_files
+from comfyui_ernie_image.nodes.quant.saved import source_identity, weight_files
 
 
 def test_the_pe_identity_is_as_before(tiny_models):

@@ -21,7 +21,6 @@ from comfyui_ernie_image.nodes.dit.model import make_model_patcher
 from comfyui_ernie_image.nodes.dit.weights import tensor_locations
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.lora.patching import apply_lora
-from comfyui_ernie_image.nodes.quant import quantize
 from comfyui_ernie_image.nodes.quant.requantize import Requantizer
 from helpers.accel import sample as core_sample
 from helpers.lora import LAYERS, OTHER_LAYERS, deltas, lora_file
@@ -170,25 +169,6 @@ def test_a_layers_original_weight_is_what_the_loader_quantized(tiny_models, tmp_
     requantizer = Requantizer(source, "int8_weight_only", DTYPE, tensor_locations)
     for key in ("layers.0.self_attention.to_q.weight", "layers.9.mlp.linear_fc2.weight"):
         assert torch.equal(requantizer.original(key), loaded[key])
-
-
-def test_the_loader_records_how_to_quantize_again(tiny_models, monkeypatch):
-    """``load_quantized_dit`` keeps the file and dtype on a torchao DiT (cache-dit's whole-DiT quantize needs CUDA:
-    stood in for here by the per-layer one)."""
-    monkeypatch.setattr(quantize, "require", lambda *args: None)
-    monkeypatch.setattr(quantize, "probe", lambda device: None)
-
-    def per_layer(transformer, quant_type, on, per_block=False):
-        for linear in block_linears(transformer).values():
-            requantizer = Requantizer(tiny_models["snapshot"], quant_type, DTYPE, tensor_locations)
-            linear.weight = requantizer.quantized(linear.weight)
-
-    monkeypatch.setattr(quantize, "quantize_torchao", per_layer)
-    dit = quantize.load_quantized_dit(lambda: load_dit(tiny_models["snapshot"], DTYPE), "int8_weight_only",
-                                      source=tiny_models["snapshot"], locate=tensor_locations, dtype=DTYPE,
-                                      device=torch.device("cpu"),
-                                      free_memory=lambda device: 0, cache_root=tiny_models["models_dir"])
-    assert dit.requantizer == Requantizer(tiny_models["snapshot"], "int8_weight_only", DTYPE, tensor_locations)
 
 
 def test_an_svdquant_dit_still_refuses_loras(plain):

@@ -25,7 +25,7 @@ from ..quant_layout import FP8_FORMATS, QuantLayers, fold_quantization, header_m
 from .attention import AttentionPlan
 from .model import ErnieImageDiffusionModel
 from .precision import Precision
-from .weights import read_dit
+from .weights import dit_config, expected_shapes, read_dit
 
 SCALE = ".scale_weight"
 
@@ -93,3 +93,12 @@ def load_dit(path: Path, dtype: torch.dtype, storage: torch.dtype | None = None,
     """The DiT from a snapshot folder, its ``transformer/`` folder or a single file."""
     folder = path / "transformer" if (path / "transformer").is_dir() else path
     return build_diffusion_model(*read_dit(path), dtype, storage, header_metadata(folder), load_device)
+
+
+def dit_skeleton(path: Path, dtype: torch.dtype) -> ErnieImageDiffusionModel:
+    """The DiT of the architecture at ``path`` (its headers alone) with every weight on the meta device, held in
+    ``dtype`` as plain weights are: for a loader that puts weights made elsewhere in place (a saved quantized DiT,
+    ``quant/torchao_file.py``). Nothing is read or allocated."""
+    config = dit_config(path)
+    empty = {name: torch.empty(shape, dtype=dtype, device="meta") for name, shape in expected_shapes(config).items()}
+    return build_diffusion_model(empty, config, dtype, dtype)

@@ -219,22 +219,29 @@ def _prefix(keys) -> str:
     return next((prefix for prefix in PREFIXES if prefix + MARKER_KEY in keys), "")
 
 
-def read_single_file(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """The DiT's tensors (released keys; the file's other keys dropped) and architecture from one safetensors
-    file."""
+def _single_file_header(path: Path) -> tuple[Header, str, dict]:
+    """One safetensors file's DiT tensors (released keys), its prefix and the architecture, checked from the header
+    alone."""
     header = read_header(path)
     prefix = _prefix(header)
     # Under a prefix, the file's other keys are the other models of a checkpoint (its VAE, text encoder): not read.
     dit = {k[len(prefix):]: v for k, v in header.items() if k.startswith(prefix)}
-    config = check_dit_header(dit, str(path), metadata=header_metadata(path))  # before reading or building anything
+    return dit, prefix, check_dit_header(dit, str(path), metadata=header_metadata(path))
+
+
+def read_single_file(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The DiT's tensors (released keys; the file's other keys dropped) and architecture from one safetensors
+    file."""
+    dit, prefix, config = _single_file_header(path)  # before reading or building anything
     scales = read_safetensors(path, [prefix + k for k in _scale_keys(dit)])
     _check_scale_values({k[len(prefix):]: v for k, v in scales.items()}, str(path))
     state_dict = {k[len(prefix):]: v for k, v in read_safetensors(path, [prefix + k for k in dit]).items()}
     return state_dict, config
 
 
-def read_transformer_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """The DiT's tensors and architecture from a diffusers ``transformer/`` folder (config + safetensors shards)."""
+def _folder_header(folder: Path) -> tuple[Header, dict[str, Path], dict]:
+    """A diffusers ``transformer/`` folder's tensors, the shard of each, and the architecture, checked from its
+    config and the shards' headers alone."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ErnieImageError(f"{folder} has no config.json: it is not a diffusers model folder. Download it again.")
@@ -245,7 +252,12 @@ def read_transformer_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict
             f"{folder} holds a {class_name}, not an ERNIE-Image transformer. Pick an ERNIE-Image snapshot folder."
         )
     header, where = read_folder_headers(folder)  # a truncated shard is named here
-    config = check_dit_header(header, str(folder), config, str(config_path), header_metadata(folder))
+    return header, where, check_dit_header(header, str(folder), config, str(config_path), header_metadata(folder))
+
+
+def read_transformer_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The DiT's tensors and architecture from a diffusers ``transformer/`` folder (config + safetensors shards)."""
+    header, where, config = _folder_header(folder)
     _check_scale_values(read_tensors(where, _scale_keys(header)), str(folder))
     return read_tensors(where, header), config
 
@@ -263,9 +275,8 @@ def tensor_locations(path: Path) -> tuple[dict[str, tuple[Path, str]], dict]:
     return {k[len(prefix):]: (path, k) for k in header if k.startswith(prefix)}, header_metadata(path)
 
 
-def read_dit(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """The DiT's tensors (released keys) and architecture from a snapshot folder, its ``transformer/`` folder, or a
-    single safetensors file."""
+def _dit_source(path: Path) -> Path:
+    """The folder (``transformer/``) or the safetensors file the DiT at ``path`` is read from."""
     if path.is_dir():
         if (path / "model_index.json").is_file():
             transformer_dir = path / "transformer"
@@ -274,8 +285,22 @@ def read_dit(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
                     f"The snapshot {path} has no transformer/ folder. The download is incomplete: "
                     "download the whole snapshot (baidu/ERNIE-Image or baidu/ERNIE-Image-Turbo)."
                 )
-            return read_transformer_folder(transformer_dir)
-        return read_transformer_folder(path)
+            return transformer_dir
+        return path
     if path.suffix != ".safetensors":
         raise ErnieImageError(f"{path} is not a .safetensors file; the DiT loads from safetensors and GGUF files only.")
-    return read_single_file(path)
+    return path
+
+
+def read_dit(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The DiT's tensors (released keys) and architecture from a snapshot folder, its ``transformer/`` folder, or a
+    single safetensors file."""
+    source = _dit_source(path)
+    return read_transformer_folder(source) if source.is_dir() else read_single_file(source)
+
+
+def dit_config(path: Path) -> dict:
+    """The architecture of the DiT at ``path`` (as ``read_dit`` takes it), checked from the headers alone: no
+    tensor read."""
+    source = _dit_source(path)
+    return _folder_header(source)[2] if source.is_dir() else _single_file_header(source)[2]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..model_files import read_header
 from .capability import FP8_MIN_ARCH, Facts
-from .svdq_cache import weight_files
+from .saved import weight_files
 
 AUTO = "auto"  # the loaders' ``quantization`` choice that this module resolves
 GIB = 2**30

@@ -1,8 +1,9 @@
 """Quantize the ERNIE-Image DiT at load time with cache-dit (engine: no ComfyUI here).
 
-- ``fp8_per_row``, ``fp8_weight_only``, ``int8_weight_only``: cache-dit's torchao path, at every load: seconds on
-  the GPU, the whole bf16 DiT at once where it fits there, else one block at a time; on the CPU only where not even
-  a block fits (minutes).
+- ``fp8_per_row``, ``fp8_weight_only``, ``int8_weight_only``: cache-dit's torchao path: seconds on the GPU, the
+  whole bf16 DiT at once where it fits there, else one block at a time; on the CPU only where not even a block fits
+  (minutes). The FP8 results are saved (``torchao_file``) and read back at the next load, without the bf16 DiT;
+  INT8 quantizes at every load.
 - ``svdq_*_dq``: cache-dit's dynamic SVDQuant W4A4 (no calibration data); minutes, so the result is saved
   (``svdq_cache``) and reloaded with ``cache_dit.load`` next time.
 
@@ -25,10 +26,12 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from ..errors import ErnieImageError
 from ..model_files import builds_weights
+from . import torchao_file
 from .capability import METHODS, probe, require
 from .requantize import Locations, Requantizer
-from .svdq_cache import SVDQCache
+from .saved import QUANT_CONFIG, SavedDiTs
 
 _HEADROOM = 2 * 2**30  # GPU memory left for quantizing one layer beside the whole bf16 DiT
 # What cache-dit's quantize records on the module it quantized (its own checks read ``_is_quantized``).
@@ -44,6 +47,7 @@ def load_quantized_dit(
     *,
     source: Path,
     locate: Callable[[Path], Locations],
+    skeleton: Callable[[], torch.nn.Module],
     dtype: torch.dtype,
     device: torch.device,
     free_memory: Callable[[torch.device], int],
@@ -52,22 +56,75 @@ def load_quantized_dit(
     """The DiT that ``load()`` reads from ``source`` (in ``dtype``), quantized with ``method`` on ``device``.
 
     The capability check runs first: a method that cannot run here fails before any weights are read.
-    ``free_memory(device)`` is the memory the host lets a model use there now; SVDQuant results are kept under
-    ``cache_root``. ``locate(source)`` says where the DiT's tensors lie there, for LoRAs on a torchao DiT.
+    ``free_memory(device)`` is the memory the host lets a model use there now; quantized DiTs are saved under
+    ``cache_root`` and read back into ``skeleton()`` (the DiT with its weights on the meta device).
+    ``locate(source)`` says where the DiT's tensors lie there, for LoRAs on a torchao DiT.
     """
     spec = METHODS[method]
     if not spec.quantizes:
         return load()
     require(method, probe(device), dtype)
-    if spec.backend == "torchao":
+    if spec.backend == "svdquant":
+        return load_or_build_svdq(load, spec.quant_type, source=source, device=device,
+                                  cache=SavedDiTs(cache_root, beside=(QUANT_CONFIG,)))
+    saved, versions = SavedDiTs(cache_root), _torchao_versions(dtype)
+    transformer = _read_saved_torchao(saved, source, spec.quant_type, versions, skeleton)
+    if transformer is None:
         transformer = load()
         on, per_block = (quantization_device(transformer, device, free_memory) if spec.whole_on_gpu_if_it_fits
                          else (device, False))
         quantize_torchao(transformer, spec.quant_type, on, per_block)
-        # How a LoRA's patched layers are made again (host/patchers.py): from the file, as these were.
-        transformer.requantizer = Requantizer(source, spec.quant_type, dtype, locate)
-        return transformer
-    return load_or_build_svdq(load, spec.quant_type, source=source, device=device, cache=SVDQCache(cache_root))
+        _save_torchao(transformer, saved, source, spec.quant_type, versions)
+    # How a LoRA's patched layers are made again (host/patchers.py): from the file, as these were.
+    transformer.requantizer = Requantizer(source, spec.quant_type, dtype, locate)
+    return transformer
+
+
+def _torchao_versions(dtype: torch.dtype) -> dict[str, str]:
+    """What a saved torchao DiT must have been made with to be read back: the libraries that quantized and rebuild
+    it, and the compute dtype its other weights are held in."""
+    import torchao
+    from cache_dit import __version__ as cache_dit_version
+
+    return {"cache_dit": cache_dit_version, "torchao": torchao.__version__, "dtype": str(dtype).removeprefix("torch.")}
+
+
+def _read_saved_torchao(saved: SavedDiTs, source: Path, quant_type: str, versions: dict[str, str],
+                        skeleton: Callable[[], torch.nn.Module]) -> torch.nn.Module | None:
+    """The DiT saved at an earlier load, or None where there is none usable (a damaged one is removed)."""
+    entry = saved.lookup(source, quant_type, versions)
+    if entry is None:
+        return None
+    start = time.perf_counter()
+    try:
+        transformer = torchao_file.read_into(skeleton(), entry / f"{quant_type}.safetensors")
+    except (ErnieImageError, *_LOAD_ERRORS) as e:
+        logging.warning("ERNIE-Image: cannot read the saved quantized DiT %s (%s); quantizing again", entry, e)
+        saved.discard(source, quant_type)
+        return None
+    transformer._is_quantized, transformer._quantize_type = True, quant_type  # as cache-dit marks what it quantized
+    logging.info("ERNIE-Image: read the DiT quantized to %s at an earlier load from %s in %.1f s", quant_type, entry,
+                 time.perf_counter() - start)
+    return transformer
+
+
+def _save_torchao(transformer: torch.nn.Module, saved: SavedDiTs, source: Path, quant_type: str,
+                  versions: dict[str, str]) -> None:
+    """Keep the quantized DiT for the next load, where torchao can rebuild it; a folder that cannot be written
+    costs only that (the next load quantizes again)."""
+    if not torchao_file.savable(transformer):
+        return
+    start = time.perf_counter()
+    try:
+        with saved.build(source, quant_type, versions) as folder:
+            torchao_file.write(transformer, folder / f"{quant_type}.safetensors")
+    except (ErnieImageError, OSError, SafetensorError) as e:
+        logging.warning("ERNIE-Image: the quantized DiT is not saved (%s); the next load quantizes it again", e)
+        return
+    entry = saved.entry(source, quant_type)
+    logging.info("ERNIE-Image: saved the quantized DiT as %s (%.1f GB, %.1f s); the next load reads it instead of "
+                 "quantizing (delete the folder to free the space)", entry,
+                 (entry / f"{quant_type}.safetensors").stat().st_size / 1e9, time.perf_counter() - start)
 
 
 def quantization_device(
@@ -143,7 +200,7 @@ def load_or_build_svdq(
     *,
     source: Path,
     device: torch.device,
-    cache: SVDQCache,
+    cache: SavedDiTs,
 ) -> torch.nn.Module:
     """The DiT quantized with SVDQuant ``quant_type``: reloaded from ``cache`` when a usable copy is saved there,
     else quantized (each layer's decomposition on ``device``, the result kept on the CPU) and saved."""

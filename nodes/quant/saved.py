@@ -1,12 +1,14 @@
-"""Saved SVDQuant DiTs, reused while their source weights and cache-dit stay the same (engine: no ComfyUI here).
+"""Saved quantized DiTs, reused while their source weights and the quantizing libraries stay the same (engine: no
+ComfyUI here).
 
-SVDQuant takes minutes, so each result is kept in one folder per (source weights, method):
-``<root>/<source name>-<hash of its path>-<method>/`` holds what cache-dit's ``serialize_to`` writes
-(``<method>.safetensors`` and ``quant_config.json``, read back by ``cache_dit.load``) and ``ernie_image_entry.json``,
-the record of what it was made from: the source's path and each weight file's name, size and modification time,
-the method and the versions. An entry whose record does not match, or whose files are missing or damaged, is
-removed and built again. A new entry is written in a ``.partial`` folder and renamed into place when complete, so
-an interrupted build never looks finished.
+SVDQuant takes minutes and torchao's FP8 a whole bf16 read and seconds of GPU time, so each result is kept in one
+folder per (source weights, method): ``<root>/<source name>-<hash of its path>-<method>/`` holds
+``<method>.safetensors``, the files a method keeps beside it (``beside``: cache-dit's SVDQuant ``serialize_to``
+writes ``quant_config.json``, read back by ``cache_dit.load``; torchao's FP8 weights need none: ``torchao_file.py``)
+and ``ernie_image_entry.json``, the record of what it was made from: the source's path and each weight file's name,
+size and modification time, the method and the versions. An entry whose record does not match, or whose files are
+missing or damaged, is removed and built again. A new entry is written in a ``.partial`` folder and renamed into
+place when complete, so an interrupted build never looks finished.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..model_files import file_stamps
 
 FORMAT = 1  # of this folder layout and record
 RECORD = "ernie_image_entry.json"
-QUANT_CONFIG = "quant_config.json"  # cache-dit writes it beside the checkpoint
+QUANT_CONFIG = "quant_config.json"  # cache-dit's SVDQuant writes it beside the checkpoint
 
 
 def weight_files(source: Path) -> list[Path]:
@@ -51,11 +53,12 @@ def _read_record(path: Path) -> dict | None:
     return record if isinstance(record, dict) and "checkpoint_bytes" in record else None
 
 
-class SVDQCache:
-    """The folder ``root`` of saved SVDQuant DiTs."""
+class SavedDiTs:
+    """The folder ``root`` of saved quantized DiTs; ``beside``: the JSON files an entry holds beside its
+    checkpoint."""
 
-    def __init__(self, root: Path):
-        self.root = root
+    def __init__(self, root: Path, beside: tuple[str, ...] = ()):
+        self.root, self.beside = root, beside
 
     def entry(self, source: Path, method: str) -> Path:
         """The folder of ``source`` quantized with ``method`` (whether it exists or not)."""
@@ -82,7 +85,7 @@ class SVDQCache:
         if saved != expected:
             return f"it was made for {saved.get('method')} with {saved.get('versions')}, not {versions}"
         checkpoint = entry / f"{method}.safetensors"
-        for needed in (checkpoint, entry / QUANT_CONFIG):
+        for needed in (checkpoint, *(entry / name for name in self.beside)):
             if not needed.is_file():
                 return f"{needed.name} is missing"
         if checkpoint.stat().st_size != checkpoint_bytes:
@@ -90,7 +93,8 @@ class SVDQCache:
         try:
             with safe_open(str(checkpoint), framework="pt"):
                 pass
-            json.loads((entry / QUANT_CONFIG).read_text())
+            for name in self.beside:
+                json.loads((entry / name).read_text())
         except (SafetensorError, OSError, ValueError) as e:
             return f"it is damaged ({e})"
         return None
@@ -101,7 +105,7 @@ class SVDQCache:
         if reason is None:
             return self.entry(source, method)
         if self.entry(source, method).exists():
-            logging.warning("ERNIE-Image: the saved SVDQuant DiT %s cannot be used (%s); quantizing again",
+            logging.warning("ERNIE-Image: the saved quantized DiT %s cannot be used (%s); quantizing again",
                             self.entry(source, method), reason)
             self.discard(source, method)
         return None
@@ -121,14 +125,14 @@ class SVDQCache:
             partial.mkdir(parents=True)
         except OSError as e:
             raise ErnieImageError(
-                f"Cannot write the SVDQuant DiT to {self.root} ({e}). Make that folder writable, "
-                "or pick an FP8/INT8 quantization (they are not saved)."
+                f"Cannot write the quantized DiT to {self.root} ({e}). Make that folder writable, or free space "
+                "on its disk."
             ) from e
         try:
             yield partial
             checkpoint = partial / f"{method}.safetensors"
             if not checkpoint.is_file():
-                raise ErnieImageError(f"cache-dit wrote no {checkpoint.name} into {partial}: cannot save this DiT.")
+                raise ErnieImageError(f"No {checkpoint.name} was written into {partial}: cannot save this DiT.")
             record["checkpoint_bytes"] = checkpoint.stat().st_size
             (partial / RECORD).write_text(json.dumps(record, indent=1))
             self.discard(source, method)

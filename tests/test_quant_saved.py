@@ -1,5 +1,6 @@
-"""The saved-SVDQuant folder on its own: entries are found again, and stale, damaged or half-written ones are never
-used. Then the real cache-dit round trip through it (quantize + serialize_to, then cache_dit.load) on the CPU."""
+"""The saved quantized DiTs' folder on its own, as SVDQuant uses it (``quant_config.json`` beside each checkpoint):
+entries are found again, and stale, damaged or half-written ones are never used. Then the real cache-dit round trip
+through it (quantize + serialize_to, then cache_dit.load) on the CPU."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from safetensors.torch import save_file
 from comfyui_ernie_image.nodes.dit.build import load_dit
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.quant.quantize import load_or_build_svdq
-from comfyui_ernie_image.nodes.quant.svdq_cache import RECORD, SVDQCache, source_identity
+from comfyui_ernie_image.nodes.quant.saved import QUANT_CONFIG, RECORD, SavedDiTs, source_identity
 
 METHOD = "svdq_int4_r32_dq"
 VERSIONS = {"cache_dit": "1.5.3"}
@@ -29,7 +30,7 @@ def source(tmp_path):
 
 @pytest.fixture
 def cache(tmp_path):
-    return SVDQCache(tmp_path / "ernie_quantized")
+    return SavedDiTs(tmp_path / "ernie_quantized", beside=(QUANT_CONFIG,))
 
 
 def write_like_cache_dit(folder, method=METHOD) -> None:
@@ -125,7 +126,7 @@ def test_an_interrupted_build_leaves_nothing_that_looks_finished(cache, source):
 
 
 def test_a_build_without_a_checkpoint_is_an_error(cache, source):
-    with pytest.raises(ErnieImageError, match=f"cache-dit wrote no {METHOD}.safetensors into"):
+    with pytest.raises(ErnieImageError, match=f"No {METHOD}.safetensors was written into"):
         with cache.build(source, METHOD, VERSIONS):
             pass
     assert list(cache.root.iterdir()) == []
@@ -134,8 +135,8 @@ def test_a_build_without_a_checkpoint_is_an_error(cache, source):
 def test_an_unwritable_cache_folder_says_so(tmp_path, source):
     blocked = tmp_path / "ernie_quantized"
     blocked.write_text("a file where the folder should be")
-    with pytest.raises(ErnieImageError, match=r"Cannot write the SVDQuant DiT to .*ernie_quantized .* FP8/INT8"):
-        build(SVDQCache(blocked), source)
+    with pytest.raises(ErnieImageError, match=r"Cannot write the quantized DiT to .*ernie_quantized .* writable"):
+        build(SavedDiTs(blocked, beside=(QUANT_CONFIG,)), source)
 
 
 def test_a_snapshot_is_identified_by_its_transformer_files(tmp_path):
