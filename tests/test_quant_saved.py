@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -117,12 +118,18 @@ def test_an_interrupted_build_leaves_nothing_that_looks_finished(cache, source):
             write_like_cache_dit(folder)
             raise KeyboardInterrupt
     assert list(cache.root.iterdir()) == []
-    # A process killed mid-build leaves its partial folder: the next build starts it afresh.
-    partial = cache.root / f".{cache.entry(source, METHOD).name}.partial"
-    partial.mkdir()
-    (partial / "stale.bin").write_bytes(b"x")
+    # A process killed mid-build leaves its partial folder: a later build removes it once it is an hour old; a
+    # newer one may be another ComfyUI's build in progress (they share the models folder), left alone.
+    name = cache.entry(source, METHOD).name
+    stale, running = cache.root / f".{name}.1-1.partial", cache.root / f".{name}.2-2.partial"
+    for partial in (stale, running):
+        partial.mkdir()
+        (partial / "part.bin").write_bytes(b"x")
+    hours_ago = time.time() - 7200
+    for path in (stale / "part.bin", stale):
+        os.utime(path, (hours_ago, hours_ago))
     entry = build(cache, source)
-    assert not partial.exists() and not (entry / "stale.bin").exists()
+    assert not stale.exists() and running.exists() and not (entry / "part.bin").exists()
 
 
 def test_a_build_without_a_checkpoint_is_an_error(cache, source):

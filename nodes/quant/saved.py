@@ -16,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +30,7 @@ from ..model_files import file_stamps
 
 FORMAT = 1  # of this folder layout and record
 RECORD = "ernie_image_entry.json"
+_ABANDONED_S = 3600  # a partial folder unchanged this long was left by a build that stopped (SVDQuant: minutes)
 QUANT_CONFIG = "quant_config.json"  # cache-dit's SVDQuant writes it beside the checkpoint
 
 
@@ -43,6 +46,14 @@ def weight_files(source: Path) -> list[Path]:
 def source_identity(source: Path) -> dict:
     """The source's absolute path and each weight file's name, size and modification time (ns)."""
     return {"path": str(source.resolve()), "files": file_stamps(weight_files(source), name=lambda f: f.name)}
+
+
+def _newest_change(folder: Path) -> float:
+    """When ``folder`` or a file in it last changed (a build writing its checkpoint keeps this recent)."""
+    try:
+        return max([folder.stat().st_mtime, *(p.stat().st_mtime for p in folder.iterdir())])
+    except OSError:
+        return time.time()  # removed or being written by another build just now: not abandoned
 
 
 def _read_record(path: Path) -> dict | None:
@@ -118,11 +129,15 @@ class SavedDiTs:
     def build(self, source: Path, method: str, versions: dict[str, str]) -> Iterator[Path]:
         """A fresh folder to ``serialize_to``; when the block ends without error, it becomes the entry."""
         entry = self.entry(source, method)
-        partial = entry.with_name(f".{entry.name}.partial")
+        # A folder of this build's own: two ComfyUI processes sharing the models folder may build one entry at once.
+        partial = entry.with_name(f".{entry.name}.{os.getpid()}-{time.time_ns()}.partial")
         record = self.record(source, method, versions)  # the source as it is read now
         try:
-            shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted build
-            partial.mkdir(parents=True)
+            self.root.mkdir(parents=True, exist_ok=True)
+            for left in self.root.glob(f".{entry.name}.*.partial"):  # left by an interrupted build, not a running one
+                if time.time() - _newest_change(left) > _ABANDONED_S:
+                    shutil.rmtree(left, ignore_errors=True)
+            partial.mkdir()
         except OSError as e:
             raise ErnieImageError(
                 f"Cannot write the quantized DiT to {self.root} ({e}). Make that folder writable, or free space "
