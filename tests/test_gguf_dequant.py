@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from comfyui_ernie_image.nodes.gguf import dequant
-from helpers.gguf_files import random_blocks
+from scripts.gguf_writer import random_blocks
 
 KINDS = ["Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 

@@ -18,7 +18,8 @@ from comfyui_ernie_image.nodes.host.sizes import module_bytes
 from comfyui_ernie_image.nodes.lora.patching import apply_lora
 from helpers import lora as lora_helpers
 from helpers.accel import predict, sample
-from helpers.gguf_files import gguf_bytes, mixed_kind, reference_state, tiny_state, uniform_kind, write_gguf
+from helpers.gguf_files import gguf_bytes, reference_state, tiny_state
+from scripts.gguf_writer import mixed_kind, uniform_kind, write_gguf
 from scripts.tiny_models import TINY_DIT
 
 CPU, GPU = torch.device("cpu"), torch.device("meta")

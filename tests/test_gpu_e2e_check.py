@@ -1,12 +1,22 @@
 """The GPU end-to-end check (``checks/gpu/gpu_e2e.py``) itself, on tiny models and the CPU: it must keep working between
-GPU runs. A real ComfyUI executor in a process of its own runs the Turbo, local-PE and LoRA workflows twice, then
-/free, then Turbo again; the table says so."""
+GPU runs. A real ComfyUI executor in a process of its own runs the Turbo, local-PE, LoRA and GGUF workflows twice,
+then /free, then Turbo again; the table says so. The GGUF of the DiT the check writes at true size is one the pack
+reads."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
+import gguf
+import numpy as np
+import torch
+from diffusers import ErnieImageTransformer2DModel
+
+from checks.gpu.e2e_models import write_gguf_dit
+from comfyui_ernie_image.nodes.dit.gguf import read_gguf_dit
+from comfyui_ernie_image.nodes.gguf.reader import read_gguf
 from conftest import REPO
 
 
@@ -14,7 +24,7 @@ def test_the_check_runs_the_workflows_through_comfyuis_executor(tmp_path):
     out = tmp_path / "out"
     finished = subprocess.run(
         [sys.executable, str(REPO / "checks" / "gpu" / "gpu_e2e.py"), "--tiny", "--cpu", "--modes", "default",
-         "--workflows", "ernie_image_turbo,ernie_image_pe_local,ernie_image_turbo_lora",
+         "--workflows", "ernie_image_turbo,ernie_image_pe_local,ernie_image_turbo_lora,ernie_image_gguf",
          "--work", str(tmp_path / "work"), "--out", str(out), "--pe-tokens", "8"],
         capture_output=True, text=True, timeout=900)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
@@ -25,6 +35,13 @@ def test_the_check_runs_the_workflows_through_comfyuis_executor(tmp_path):
     assert pe.split(" | ")[2].startswith("ok; /free: ")
     lora = next(line for line in table if line.startswith("| default | ernie_image_turbo_lora | "))
     assert lora.split(" | ")[2] == "ok" and "applied 70 of its 70 diffusion-model layers" in lora  # 10 tiny blocks x 7
+    # The single-files workflow with the Q4_K_M GGUF the check writes, recognised by its names under 'wan' (the
+    # table cuts the log lines short: the runs' own rows hold them whole).
+    gguf_row = next(line for line in table if line.startswith("| default | ernie_image_gguf | "))
+    assert gguf_row.split(" | ")[2] == "ok" and "GGUFModelPatcher" in gguf_row
+    runs = [json.loads(line) for line in (out / "e2e.jsonl").read_text().splitlines()]
+    notes = " ".join(next(r for r in runs if r["workflow"] == "ernie_image_gguf" and r["run"] == "first")["notes"])
+    assert "general.architecture 'wan'" in notes and "held as GGUF blocks (52 Q4_K, 1 Q5_K, 20 Q6_K)" in notes
     assert "| - | ernie_image_turbo_native | not run: needs ComfyUI >= 0.19" in "\n".join(table)
 
 
@@ -43,3 +60,24 @@ def test_fresh_process_runs_each_workflow_in_a_process_of_its_own(tmp_path):
     table = (out / "e2e.md").read_text()
     for workflow in ("ernie_image_turbo", "ernie_image_turbo_single_files"):
         assert f"| default | {workflow} | ok |" in table
+
+
+def test_the_checks_gguf_of_the_dit_is_one_the_pack_reads(tmp_path):
+    """``write_gguf_dit`` (what writes the true-size file on the GPU machine) on a small DiT whose rows fill whole
+    256-value blocks, as the released one's do (the tiny DiT's are all stored as rows of 256): the pack takes it as an
+    ERNIE-Image DiT (names, shapes, types, every block scale finite) and the gguf package decodes every tensor of it
+    to finite numbers."""
+    config = dict(hidden_size=256, num_attention_heads=2, num_layers=2, ffn_hidden_size=512, in_channels=128,
+                  out_channels=128, text_in_dim=512, rope_axes_dim=(32, 48, 48))
+    state = {k: v.to(torch.bfloat16) for k, v in ErnieImageTransformer2DModel(**config).state_dict().items()}
+    path = write_gguf_dit(state, tmp_path / "ernie-image-turbo-Q4_K_M.gguf")
+    tensors, read_config = read_gguf_dit(path)
+    assert read_gguf(path).architecture == "wan"
+    assert {k: read_config[k] for k in config} == config
+    kinds = {name: tensor.kind for name, tensor in tensors.items()}
+    assert kinds["layers.0.self_attention.to_q.weight"] == "Q4_K" and kinds["layers.1.mlp.linear_fc2.weight"] == "Q6_K"
+    assert set(kinds.values()) == {"Q4_K", "Q5_K", "Q6_K", "BF16", "F16", "F32"}
+    assert tensors["layers.0.mlp.up_proj.weight"].shape == (512, 256)
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        values = gguf.quants.dequantize(np.array(tensor.data), tensor.tensor_type)
+        assert np.isfinite(values).all() and values.size == np.prod(tensors[tensor.name].shape), tensor.name

@@ -2,7 +2,7 @@
 model-choice grammar, loaded by their tensor names whatever ``general.architecture`` says, and each bad one refused
 in words (the file, the first bad tensor, what to do) before any weight is copied.
 
-The files are written with the ``gguf`` package (``helpers.gguf_files``), the hostile headers byte by byte. Loads
+The files are written with the ``gguf`` package (``scripts.gguf_writer``), the hostile headers byte by byte. Loads
 that a reader without bounds would turn into an endless loop or a memory bomb run in a capped child process with a
 timeout (``helpers.bounded``).
 """
@@ -21,16 +21,8 @@ from comfyui_ernie_image.nodes.host.gguf_layers import GGUFModelPatcher
 from comfyui_ernie_image.nodes.loaders import DIT_MODELS, ErnieImageDiTLoader
 from helpers.bounded import run_bounded
 from helpers.files import replace_bytes
-from helpers.gguf_files import (
-    gguf_string,
-    mixed_kind,
-    raw_header,
-    scale_offset,
-    set_tensor_type,
-    tiny_state,
-    uniform_kind,
-    write_gguf,
-)
+from helpers.gguf_files import gguf_string, raw_header, scale_offset, set_tensor_type, tiny_state
+from scripts.gguf_writer import mixed_kind, uniform_kind, write_gguf
 
 FLUX_NAMES = ("double_blocks.0.img_attn.qkv.weight", "double_blocks.0.img_mlp.0.weight", "img_in.weight")
 

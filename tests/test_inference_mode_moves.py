@@ -25,9 +25,10 @@ from comfyui_ernie_image.nodes.pe.local.enhancer import LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.protocol import PromptSpec, SamplingParams
 from comfyui_ernie_image.nodes.text.nodes import ErnieImageTextEncoderLoader
 from helpers.accel import sample, text
-from helpers.gguf_files import mixed_kind, tiny_state, write_gguf
+from helpers.gguf_files import tiny_state
 from helpers.lora import LAYERS, deltas, lora_file
 from helpers.quant_files import comfy_quant_fp8
+from scripts.gguf_writer import mixed_kind, write_gguf
 
 
 class CopyingMoves(TorchFunctionMode):

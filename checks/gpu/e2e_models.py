@@ -10,11 +10,17 @@ A ComfyUI ``models`` folder for the GPU end-to-end check (``gpu_e2e.py``):
   hard-linked; the snapshot's DiT is saved unsharded for that), ``text_encoders/ministral-3-3b.safetensors`` (the
   language model with its tokenizer inside), ``text_encoders/ernie-image-prompt-enhancer.safetensors`` (the same
   file, hard-linked: a random PE has the text encoder's architecture), ``vae/flux2-vae.safetensors`` (hard-linked);
+- ``diffusion_models/ernie-image-turbo-Q4_K_M.gguf``: the DiT as a Q4_K_M GGUF, named and made as the community's
+  (unsloth/ERNIE-Image-Turbo-GGUF has this name; city96's converter, which has no ERNIE-Image entry, writes the
+  released keys under ``general.architecture`` ``wan``): K-quant layers as random valid blocks, the rest from the
+  DiT's weights (``scripts/gguf_writer.py``; 5.2 GB at true size, tensor by tensor: 17 s on a 2-core CPU, most of
+  it writing to disk, and about 1 GB of host memory);
 - ``loras/ernie-image-turbo-lora.safetensors``: a LoRA on every block linear layer (rank 64; 4 for tiny models) in
   the diffusers PEFT layout, the name the LoRA workflow picks.
 
 ``true_size=True`` builds the released sizes on the GPU (an 8B DiT and two 3.4B Ministral 3 models, bf16,
-normal(0, 0.02) weights, about 37 GB on disk); otherwise the tiny models of ``scripts/tiny_models.py`` (CPU, seconds).
+normal(0, 0.02) weights, about 42 GB on disk with the GGUF); otherwise the tiny models of ``scripts/tiny_models.py``
+(CPU, seconds).
 
 Run from the repository root as ``python -m checks.gpu.e2e_models MODELS_DIR [--true-size]`` (``gpu_e2e.py`` does).
 """
@@ -22,11 +28,14 @@ Run from the repository root as ``python -m checks.gpu.e2e_models MODELS_DIR [--
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from bench.common import write_lora
+from scripts.gguf_writer import mixed_kind, write_gguf
 from scripts.tiny_models import (
     PE_CHAT_TEMPLATE,
     make_pipeline,
@@ -39,6 +48,7 @@ TURBO, BASE = "ERNIE-Image-Turbo", "ERNIE-Image"
 TRUE_MINISTRAL = dict(vocab_size=131072, hidden_size=3072, intermediate_size=9216, num_hidden_layers=26,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
                       bos_token_id=1, eos_token_id=2, pad_token_id=3)
+GGUF_DIT = "diffusion_models/ernie-image-turbo-Q4_K_M.gguf"
 _DONE = ".complete"  # written last: a folder without it was interrupted and is written again
 
 
@@ -98,6 +108,12 @@ def true_size_pipeline():
     )
 
 
+def write_gguf_dit(state: Mapping[str, torch.Tensor], path: Path) -> Path:
+    """The DiT's weights ``state`` (on any device) as a Q4_K_M-like GGUF file at ``path``, as community files are:
+    the released keys, ``general.architecture`` ``wan`` (the pack must recognise the DiT by its names)."""
+    return write_gguf(path, state, mixed_kind, arch="wan")
+
+
 def _link(source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     target.unlink(missing_ok=True)
@@ -124,6 +140,9 @@ def write_models(models_dir: Path, true_size: bool) -> Path:
     _link(turbo / "vae" / "diffusion_pytorch_model.safetensors", models_dir / "vae" / "flux2-vae.safetensors")
     _link_tree(turbo, models_dir / "diffusers" / BASE)
     write_lora(pipe.transformer, models_dir / "loras" / "ernie-image-turbo-lora.safetensors", 64 if true_size else 4)
+    start = time.perf_counter()
+    gguf_dit = write_gguf_dit(pipe.transformer.state_dict(), models_dir / GGUF_DIT)
+    print(f"{GGUF_DIT}: {gguf_dit.stat().st_size / 1e6:,.1f} MB in {time.perf_counter() - start:.1f} s", flush=True)
     (models_dir / _DONE).write_text("ok\n")
     return models_dir
 

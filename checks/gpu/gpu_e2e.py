@@ -9,7 +9,7 @@
     python checks/gpu/gpu_e2e.py --warm-runs 3 --pack ../old   # median of 3 warm runs; another checkout's pack
     python checks/gpu/gpu_e2e.py --modes card16 --fresh-process --copies  # per recipe: its own process, bytes moved
 
-Writes true-size random-weight models in the real layouts once (``e2e_models.py``; about 37 GB under ``--work``),
+Writes true-size random-weight models in the real layouts once (``e2e_models.py``; about 42 GB under ``--work``),
 then runs one ComfyUI process per mode (``e2e_worker.py``), each running the API twins of ``tests/workflows/`` that
 ComfyUI 0.3.75 can run (the native-ERNIE twin needs ComfyUI >= 0.19; the remote-PE twin needs a server: both are
 listed as not run). Prints a table (result or error, first-run and warm seconds, whole-run peak GPU memory, the
@@ -41,13 +41,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 # Turbo first (run again after /free), the PE before the FP8 workflow: the order a user might meet them in.
 WORKFLOWS = ("ernie_image_turbo", "ernie_image_turbo_single_files", "ernie_image_pe_local", "ernie_image_low_vram",
-             "ernie_image_base", "ernie_image_cache_compile", "ernie_image_turbo_lora", "ernie_image_low_vram_lora")
-# Twins the check makes from another (name: (the twin, what its loader's inputs become: those of another twin's
-# loader, or these)), for recipes the low-VRAM workflow's note gives without a shared workflow of their own: its
-# loader with the LoRA workflow's LoRA, and the Turbo workflow with the fp8 text encoder (24 GB, bf16 as released).
+             "ernie_image_base", "ernie_image_cache_compile", "ernie_image_turbo_lora", "ernie_image_low_vram_lora",
+             "ernie_image_gguf")
+# Twins the check makes from another (name: (the twin, the loader node changed, what its inputs become: those of the
+# same node in another twin, or these)), for recipes without a shared workflow of their own. The low-VRAM workflow's
+# note gives two: its loader with the LoRA workflow's LoRA, and the Turbo workflow with the fp8 text encoder (24 GB,
+# bf16 as released); the README's row for cards under 16 GB a third: the single-files workflow with a GGUF of the
+# DiT (the Q4_K_M file e2e_models.py writes).
 DERIVED = {
-    "ernie_image_low_vram_lora": ("ernie_image_turbo_lora", "ernie_image_low_vram"),
-    "ernie_image_turbo_te_fp8": ("ernie_image_turbo", {"text_encoder_weight_dtype": "fp8_e4m3fn"}),
+    "ernie_image_low_vram_lora": ("ernie_image_turbo_lora", "loader", "ernie_image_low_vram"),
+    "ernie_image_turbo_te_fp8": ("ernie_image_turbo", "loader", {"text_encoder_weight_dtype": "fp8_e4m3fn"}),
+    "ernie_image_gguf": ("ernie_image_turbo_single_files", "dit",
+                         {"model_name": "diffusion_models/ernie-image-turbo-Q4_K_M.gguf"}),
 }
 NOT_RUN = {"ernie_image_turbo_native": "needs ComfyUI >= 0.19 (native ERNIE loaders); the check runs {core}",
            "ernie_image_pe_remote": "needs an OpenAI-compatible server; CPU tests run it against transformers serve"}
@@ -91,11 +96,11 @@ def twin_path(args, name: str) -> Path:
     """The API twin ``name``: the pack's ``tests/workflows/`` file, or a ``DERIVED`` one written under ``--work``."""
     if name not in DERIVED:
         return args.pack / "tests" / "workflows" / f"{name}.json"
-    source, loader_inputs = DERIVED[name]
+    source, loader, inputs = DERIVED[name]
     graph = json.loads(twin_path(args, source).read_text())
-    if isinstance(loader_inputs, str):
-        loader_inputs = json.loads(twin_path(args, loader_inputs).read_text())["loader"]["inputs"]
-    graph["loader"]["inputs"].update(loader_inputs)
+    if isinstance(inputs, str):
+        inputs = json.loads(twin_path(args, inputs).read_text())[loader]["inputs"]
+    graph[loader]["inputs"].update(inputs)
     path = args.work / "derived" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(graph, indent=2))

@@ -1,16 +1,11 @@
-"""Tiny GGUF files of the tiny DiT, written with the ``gguf`` package as city96's converter writes them, and the
-weights they hold as ``gguf.quants.dequantize`` reads them back (the reference).
-
-The ``gguf`` package quantizes Q8_0 but cannot write K-quants: those tensors are random valid blocks (random bytes
-with finite fp16 scales, sized so the weights stay small), as llama.cpp lays them out. Names are the released keys;
-1-D tensors are F32; tensors whose rows do not fill whole 256-value blocks are stored as rows of 256 with their
-shape in ``comfy.gguf.orig_shape.<name>`` (ComfyUI-GGUF's tools/convert.py).
+"""Tiny GGUF files of the tiny DiT (written by ``scripts/gguf_writer.py`` as city96's converter writes them), the
+weights they hold as ``gguf.quants.dequantize`` reads them back (the reference), and byte-level edits for hostile
+files.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -18,19 +13,8 @@ import numpy as np
 import torch
 from diffusers import ErnieImageTransformer2DModel
 
+from scripts.gguf_writer import ORIG_SHAPE, SCALES
 from scripts.tiny_models import TINY_DIT, randomise_zero_init
-
-T = gguf.GGMLQuantizationType
-# Where llama.cpp's blocks keep their fp16 scales (ggml-common.h: block_q8_0, block_q4_K, block_q5_K, block_q6_K),
-# and the largest |integer × sub-block scale| each multiplies them by: scales are drawn so that |weight| < 0.15.
-SCALES = {"Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-SPAN = {"Q4_K": 63 * 15, "Q5_K": 63 * 31, "Q6_K": 127 * 32}
-ORIG_SHAPE = "comfy.gguf.orig_shape."
-
-# A Q4_K_M-like mix: most linear layers Q4_K, the value and down projections Q6_K, the modulation Q5_K; the patch
-# embedding (a 1x1 conv) Q4_K too, and the text projection BF16, the time embedding F16.
-MIXED = {"to_v": "Q6_K", "linear_fc2": "Q6_K", "adaLN_modulation": "Q5_K", "time_embedding": "F16",
-         "text_proj": "BF16"}
 
 
 def tiny_state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -39,67 +23,6 @@ def tiny_state(seed: int = 0) -> dict[str, torch.Tensor]:
     transformer = ErnieImageTransformer2DModel(**TINY_DIT)
     randomise_zero_init(transformer, torch.Generator().manual_seed(seed))
     return {k: v.detach().contiguous() for k, v in transformer.state_dict().items()}
-
-
-def random_blocks(kind: str, count: int, rng: np.random.Generator) -> np.ndarray:
-    """``count`` values' worth of random valid ``kind`` blocks, uint8 ``[blocks, bytes]``."""
-    values, size = gguf.GGML_QUANT_SIZES[T[kind]]
-    blocks = rng.integers(0, 256, (count // values, size), dtype=np.uint8)
-    for offset in SCALES[kind]:
-        scale = rng.uniform(-0.15, 0.15, (len(blocks), 1)) / SPAN[kind]
-        blocks[:, offset:offset + 2] = scale.astype(np.float16).view(np.uint8)
-    return blocks
-
-
-def mixed_kind(name: str, value: torch.Tensor) -> str:
-    """The type of each tensor in the Q4_K_M-like file."""
-    if value.ndim == 1:
-        return "F32"
-    return next((kind for part, kind in MIXED.items() if part in name), "Q4_K")
-
-
-def uniform_kind(kind: str) -> Callable[[str, torch.Tensor], str]:
-    """Every 2-D (and 4-D) weight in ``kind``, 1-D tensors in F32."""
-    return lambda name, value: "F32" if value.ndim == 1 else kind
-
-
-def encode(kind: str, value: torch.Tensor, rng: np.random.Generator) -> tuple[np.ndarray, bool]:
-    """The data GGUFWriter takes for ``value`` stored as ``kind`` (its values quantized, or random blocks for a
-    K-quant), and whether it is flattened into rows of 256 values (its rows do not fill whole blocks)."""
-    array = value.float().numpy()
-    if kind == "F32":
-        return array, False
-    if kind == "F16":
-        return array.astype(np.float16), False
-    flat = array.shape[-1] % gguf.GGML_QUANT_SIZES[T[kind]][0] != 0
-    if flat:
-        array = array.reshape(-1, 256)
-    if kind in SPAN:
-        return random_blocks(kind, array.size, rng).reshape(*array.shape[:-1], -1), flat
-    return gguf.quants.quantize(array, T[kind]), flat
-
-
-def write_gguf(path: Path, tensors: dict[str, torch.Tensor], kind: Callable[[str, torch.Tensor], str],
-               arch: str = "flux", prefix: str = "", seed: int = 0,
-               extra: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
-    """``tensors`` as a GGUF file, each stored as ``kind(name, tensor)``, names under ``prefix``."""
-    rng = np.random.default_rng(seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for name, value in tensors.items():
-        stored = kind(name, value)
-        data, flat = encode(stored, value, rng)
-        if flat:
-            writer.add_array(ORIG_SHAPE + prefix + name, [int(d) for d in value.shape])
-        writer.add_tensor(prefix + name, data, raw_dtype=None if stored in ("F32", "F16") else T[stored])
-    if extra is not None:
-        extra(writer)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def reference_state(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
