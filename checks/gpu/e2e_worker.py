@@ -332,6 +332,30 @@ class NvmlPeak:
         return row
 
 
+class HostMemoryPeaks:
+    """The process's peak anonymous and file-backed resident memory so far (``/proc/self/status``, sampled every
+    ``interval`` s from a thread; Linux only): which of the two a host-RAM peak is, weights read into memory or
+    pages of a memory-mapped file."""
+
+    FIELDS = {"RssAnon": "peak_rss_anon_gib", "RssFile": "peak_rss_file_gib"}
+
+    def __init__(self, interval: float = 0.2):
+        self.interval, self.peaks = interval, dict.fromkeys(self.FIELDS, 0)
+        if Path("/proc/self/status").is_file():
+            threading.Thread(target=self._sample, name="host-memory-peaks", daemon=True).start()
+
+    def _sample(self) -> None:
+        while True:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                field, _, value = line.partition(":")
+                if field in self.peaks:
+                    self.peaks[field] = max(self.peaks[field], int(value.split()[0]) * 1024)  # kB
+            time.sleep(self.interval)
+
+    def row(self) -> dict:
+        return {self.FIELDS[field]: round(peak / GIB, 1) for field, peak in self.peaks.items() if peak}
+
+
 class _Server:
     """What the executor needs of ComfyUI's server, recording when each node starts (the executor announces nodes
     to a client only: each prompt names this one). The GPU is synchronised first, so that a node's time includes its
@@ -497,6 +521,7 @@ def main() -> None:
     parser.add_argument("--copies", action="store_true", help="one more warm run per workflow under the torch "
                         "profiler: the bytes copied host <-> GPU (its time is not a warm time)")
     options = parser.parse_args()
+    host = HostMemoryPeaks()  # from the start: reading the models is where a host-RAM peak may be
     core = detect_core(options.comfyui) if options.core == "auto" else options.core
     if core == "fork":  # the fork sets up logging itself (main_pre), to stderr
         execution, _ = start_fork(options.comfyui, options.base, options.flags.split(), options.card_gib)
@@ -514,6 +539,7 @@ def main() -> None:
     out = options.json.open("a")
 
     def record(workflow: str, run: str, row: dict) -> None:
+        row = {**row, **host.row()}
         out.write(json.dumps(dict(workflow=workflow, run=run, **facts, **row)) + "\n")
         out.flush()
         print(f"== {workflow} [{run}]: {row}", flush=True)

@@ -163,9 +163,11 @@ def _peak(runs: list[dict]) -> str:
     process = max((r.get("nvml_process_peak_gib", 0) for r in runs), default=0)
     aimdo = max((r.get("aimdo_peak_gib", -1) for r in runs), default=-1)
     ram = max((r.get("peak_rss_gib", 0) for r in runs), default=0)
+    anon, file = (max((r.get(key, 0) for r in runs), default=0) for key in ("peak_rss_anon_gib", "peak_rss_file_gib"))
     nvml = (f" / {device:.1f}" + (f" ({process:.1f})" if process else "")) if device else ""
     nvml += f" / aimdo {aimdo:.1f}" if aimdo >= 0 else ""
-    return (f"{allocated:.1f} / {reserved:.1f}{nvml}" if reserved or device else "-") + (f"; {ram:.0f}" if ram else "")
+    ram_text = (f"; {ram:.0f}" + (f" (anon {anon:.0f}, file {file:.0f})" if anon else "")) if ram else ""
+    return (f"{allocated:.1f} / {reserved:.1f}{nvml}" if reserved or device else "-") + ram_text
 
 
 def _patchers(runs: list[dict]) -> str:
@@ -204,7 +206,7 @@ def table(rows: list[dict], core: str = "0.3.75") -> str:
     reserved, NVML's whole device (this process), comfy-aimdo's own count), dynamic VRAM and the DiT's patcher,
     notes from ComfyUI's log (the model loads of each run first)."""
     lines = ["| mode | workflow | result | first run s | warm s | peak GiB alloc / reserved / NVML device (process) / "
-             "aimdo; host RAM | dynamic VRAM: DiT patcher | log notes |",
+             "aimdo; host RAM (peak anonymous, file-backed) | dynamic VRAM: DiT patcher | log notes |",
              "|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple[str, str], list[dict]] = {}
     for row in rows:
