@@ -68,7 +68,8 @@ _users = 0  # parallel MODELs alive: the workers stop when the last is gone
 _runs = itertools.count(1)
 
 
-def split_call(split: Split, executor, x, timestep, context, text_lens, transformer_options, **kwargs):
+def split_call(split: Split, executor, x: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor,
+               text_lens: list[int], transformer_options: dict, **kwargs) -> torch.Tensor:
     """A DIFFUSION_MODEL wrapper's body on every rank: this rank's share of the forward, the whole output back."""
     forward = functools.partial(_call_on, executor, transformer_options, kwargs)
     return split_forward(forward, executor.class_obj, split, x, timestep, context, text_lens)
@@ -160,8 +161,8 @@ def apply_parallel(model, mode: str, gpus: int):
     holder, _ = dit_blocks(model)
     if loader_recipe(model) is None:
         raise ErnieImageError("ERNIE-Image Parallel starts its workers from the loader's recipe: connect the MODEL "
-                              "of an ERNIE-Image loader (ErnieImageLoader or ErnieImageDiTLoader), LoRAs after it "
-                              "are fine.")
+                              "of an ERNIE-Image loader (ErnieImageLoader or ErnieImageDiTLoader); LoRA loaders "
+                              "between them are fine.")
     worker_gpus(torch.device(model.load_device), gpus, torch.cuda.device_count())
     heads = holder.layers[0].self_attention.heads
     if heads % gpus:

@@ -91,7 +91,8 @@ class SequenceShard(torch.nn.Module):
         super().__init__()
         self.blocks, self.split = blocks, split
 
-    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], temb, mask=None):
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], temb,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         batch, length, _ = hidden.shape  # [B, S, H]
         world, rank = self.split.world, self.split.rank
         padding = -length % world
@@ -115,7 +116,7 @@ class UlyssesAttention:
     """A block's attention plan around the all-to-alls: [B, heads, tokens of this rank, head_dim] in and out, the
     ``inner`` plan attending over all tokens of ``heads / world`` heads."""
 
-    def __init__(self, inner, world: int):
+    def __init__(self, inner, world: int):  # inner: the block's own plan (dit/attention.py AttentionPlan)
         self.inner, self.world = inner, world
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
