@@ -13,9 +13,11 @@ class ErnieImageExtension(ComfyExtension):
         from .inputs import guard_nodes
         from .loaders import LOADER_NODES
         from .lora.nodes import LORA_NODES
+        from .parallel.nodes import PARALLEL_NODES
         from .pe.nodes import PE_NODES
         from .text.nodes import TEXT_NODES
 
         # Every node checks its inputs against its own schema when it runs (inputs.py): ComfyUI does not, for
         # Combo values and for linked numbers.
-        return guard_nodes([*LOADER_NODES, *DIT_NODES, *LORA_NODES, *PE_NODES, *TEXT_NODES, *ACCEL_NODES])
+        return guard_nodes([*LOADER_NODES, *DIT_NODES, *LORA_NODES, *PE_NODES, *TEXT_NODES, *ACCEL_NODES,
+                            *PARALLEL_NODES])

@@ -33,6 +33,7 @@ ENGINE = [
     "quant/saved.py", "quant/torchao_file.py",
     "dit/attention.py", "dit/dit.py", "dit/schedule.py", "dit/weights.py",
     "lora/__init__.py", "lora/keys.py",
+    "parallel/__init__.py", "parallel/pool.py", "parallel/split.py",
     "pe/__init__.py", "pe/protocol.py", "pe/cache.py", "pe/runtime.py",
     "pe/local/__init__.py", "pe/local/enhancer.py", "pe/local/weights.py", "pe/local/decode.py",
     "pe/local/attention.py", "pe/local/fused.py", "pe/local/batching.py",
@@ -47,6 +48,7 @@ COMFY_SIDE = [
     "accel/nodes.py", "accel/patching.py",
     "dit/build.py", "dit/gguf.py", "dit/model.py", "dit/nodes.py", "dit/precision.py", "dit/vae.py",
     "lora/nodes.py", "lora/patching.py",
+    "parallel/nodes.py", "parallel/patching.py", "parallel/worker.py",
     "pe/comfy_runtime.py", "pe/locate.py", "pe/nodes.py",
     "text/managed.py", "text/nodes.py",
 ]

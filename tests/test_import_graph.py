@@ -1,6 +1,7 @@
 """The pack's import graph, read from its source: no cycle, and the features are peers. A feature (``dit``, ``text``,
-``pe``, ``lora``, ``accel``, ``quant``) imports its own modules, the host layer and the shared helpers named below,
-never another feature; the loaders where the features meet, and the extension that lists every node, sit on top.
+``pe``, ``lora``, ``accel``, ``quant``, ``parallel``) imports its own modules, the host layer and the shared helpers
+named below, never another feature; the loaders where the features meet, and the extension that lists every node, sit
+on top.
 Every module is counted somewhere: a new top-level module must be named here, as a helper or at the top."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 from conftest import REPO
 
 PACK = "nodes"
-FEATURES = {"dit", "text", "pe", "lora", "accel", "quant"}
+FEATURES = {"dit", "text", "pe", "lora", "accel", "quant", "parallel"}
 HOST = "host"  # every use of ComfyUI's internals (test_host_layer.py)
 # Small modules every feature may build on: errors, file reading and checks, model folders and the model-choice
 # grammar, node input checks, the pack's socket types, the GGUF file format (``gguf/``), the out-of-memory advice

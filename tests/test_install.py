@@ -25,7 +25,7 @@ from scripts.comfy_headless import ComfyServer
 NODE_IDS = {
     "ErnieImageLoader", "ErnieImageDiTLoader", "ErnieImageTextEncoderLoader", "ErnieImageTextEncode",
     "ErnieImageScheduler", "ErnieImagePELoader", "ErnieImagePERemote", "ErnieImagePromptEnhance",
-    "ErnieImageCacheDiT", "ErnieImageCompile", "ErnieImageVAELoader", "ErnieImageLoraLoader",
+    "ErnieImageCacheDiT", "ErnieImageCompile", "ErnieImageVAELoader", "ErnieImageLoraLoader", "ErnieImageParallel",
 }
 PACK_FOLDER = "ERNIE-Image For ComfyUI"  # not the repository's name: imports must be relative
 # A user's ComfyUI has its own torch; ComfyUI's requirements.txt names torch without a version.

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..errors import ErnieImageError
 from ..host.memory import dtype_size
@@ -37,6 +38,9 @@ from ..host.sampling import (
     SAMPLER_SAMPLE,
     SAMPLER_SAMPLE_ARGS,
     memory_estimate_plus,
+    mirror_call,
+    mirror_run,
+    mirrored,
     note_run_memory,
     set_wrapper,
     show_on_node,
@@ -67,9 +71,18 @@ def _cache_sampler_sample(executor, *args, **kwargs):
     guider, sigmas = call["guider"], call["sigmas"]
     transformer_options = call["extra_args"]["model_options"]["transformer_options"]  # this run's own copy
     job: CacheJob = transformer_options[CACHE_KEY]
+    if dist.is_available() and dist.is_initialized() and not mirrored(transformer_options):
+        # cache-dit takes its decision with every rank of the process group (an all-reduce), which would wait
+        # forever for ranks that do not run this MODEL.
+        raise ErnieImageError(
+            "This Cache-DiT run would wait forever: ERNIE-Image Parallel's workers are running in this ComfyUI, and "
+            "cache-dit takes its cache decision with them. Put the same ERNIE-Image Parallel node on this MODEL "
+            "too, or free the workers first (ComfyUI's Unload Models, or a prompt without the Parallel node)."
+        )
     holder, blocks_name = dit_blocks(guider.model_patcher)
     run = CacheRun(holder, blocks_name, job.settings, steps=len(sigmas) - 1)
     transformer_options[RUN_KEY] = run  # reached by _cache_apply_model at each model call
+    mirror_run(transformer_options, CACHE_KEY, CacheRun, job.settings, len(sigmas) - 1)  # for a parallel MODEL
     # What a step that runs out of memory counts as freed by bypassing the node (host/oom.py).
     note_run_memory(transformer_options, "ERNIE-Image Cache-DiT",
                     functools.partial(cache_store_bytes, holder, guider.model_patcher.model, job.settings))
@@ -90,7 +103,9 @@ def _cache_apply_model(executor, *args, **kwargs):
     run: CacheRun | None = transformer_options.get(RUN_KEY)
     if run is not None:
         step = step_index(transformer_options["sample_sigmas"], float(sigma[0]))
-        run.activate(tuple(transformer_options.get("cond_or_uncond", ())), step)
+        call = tuple(transformer_options.get("cond_or_uncond", ()))
+        run.activate(call, step)
+        mirror_call(transformer_options, call, step)
     return executor(*args, **kwargs)
 
 

@@ -23,6 +23,7 @@ WrappersMP = comfy.patcher_extension.WrappersMP
 SAMPLER_SAMPLE = WrappersMP.SAMPLER_SAMPLE
 APPLY_MODEL = WrappersMP.APPLY_MODEL
 PREPARE_SAMPLING = WrappersMP.PREPARE_SAMPLING
+DIFFUSION_MODEL = WrappersMP.DIFFUSION_MODEL
 # What core raises when the user cancels: an Exception on 0.3.75, a BaseException on current cores
 # (model_management.py @02b2b388), so generic handlers never swallow it there.
 Interrupted = mm.InterruptProcessingException
@@ -64,6 +65,14 @@ def run_diffusion_model(forward: Callable, module: torch.nn.Module, transformer_
     return executor.execute(*args, **kwargs)
 
 
+def wrapped_options(kind: str, key: str, wrapper: Callable) -> dict:
+    """A model call's transformer_options with ``wrapper`` alone as its ``kind`` wrapper, for a forward run outside
+    ComfyUI's sampling (a parallel worker's)."""
+    options: dict = {}
+    comfy.patcher_extension.add_wrapper_with_key(kind, key, wrapper, options)
+    return options
+
+
 def note_run_memory(transformer_options: dict, name: str, estimate: Callable[[list[int], int], int]) -> None:
     """Say, for this run, that the node ``name`` keeps ``estimate(input_shape, text_tokens)`` bytes across steps.
     A new dict, never the one a copy of the options may share."""
@@ -73,6 +82,43 @@ def note_run_memory(transformer_options: dict, name: str, estimate: Callable[[li
 def run_memory(transformer_options: dict) -> dict[str, Callable[[list[int], int], int]]:
     """The estimates ``note_run_memory`` left in a model call's ``transformer_options``, by node name."""
     return dict(transformer_options.get(RUN_MEMORY, {}))
+
+
+# Per-run changes of the DiT's blocks that the other ranks of a parallel MODEL (``parallel/``) make too, in step
+# with this process: cache-dit's cache decision is an all-reduce over the process group, which every rank must
+# join. In a run's transformer_options, ``{name: (make, args)}``: ``make(holder, blocks_name, *args)`` gives an
+# object with ``install()``, ``activate(call, step)`` and ``remove()`` (``accel.cache.CacheRun``); and the
+# ``(call, step)`` that each model call activated. The key is there from the parallel node on: a run without it
+# has no other ranks.
+MIRRORED_RUNS, MIRRORED_CALL = "ernie_image_mirrored_runs", "ernie_image_mirrored_call"
+
+
+def mirror_runs(transformer_options: dict) -> None:
+    """Say that this MODEL's runs have other ranks, which make what ``mirror_run`` notes too."""
+    transformer_options[MIRRORED_RUNS] = {}
+
+
+def mirrored(transformer_options: dict) -> bool:
+    """Whether the run has other ranks (``mirror_runs``)."""
+    return MIRRORED_RUNS in transformer_options
+
+
+def mirror_run(transformer_options: dict, name: str, make: Callable, *args) -> None:
+    """Note for the other ranks, if there are any, that this run makes ``make(holder, blocks_name, *args)``. A new
+    dict, never the one a copy of the options may share."""
+    if mirrored(transformer_options):
+        transformer_options[MIRRORED_RUNS] = {**transformer_options[MIRRORED_RUNS], name: (make, args)}
+
+
+def mirror_call(transformer_options: dict, call: tuple[int, ...], step: int) -> None:
+    """Note, in a model call's own options, the ``(call, step)`` the other ranks activate for it."""
+    if mirrored(transformer_options):
+        transformer_options[MIRRORED_CALL] = (call, step)
+
+
+def mirrored_runs(transformer_options: dict) -> tuple[dict, tuple | None]:
+    """What ``mirror_run`` and ``mirror_call`` noted in a model call's options."""
+    return dict(transformer_options.get(MIRRORED_RUNS, {})), transformer_options.get(MIRRORED_CALL)
 
 
 def call_accepting(function: Callable, *args, **kwargs):
