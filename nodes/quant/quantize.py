@@ -5,7 +5,7 @@
   (minutes). The FP8 results are saved (``torchao_file``) and read back at the next load, without the bf16 DiT;
   INT8 quantizes at every load.
 - ``svdq_*_dq``: cache-dit's dynamic SVDQuant W4A4 (no calibration data); minutes, so the result is saved
-  (``svdq_cache``) and reloaded with ``cache_dit.load`` next time.
+  (``saved``) and reloaded with ``cache_dit.load`` next time.
 
 Only the linear layers of the 36 transformer blocks are quantized: the embeddings, the shared modulation and the
 final layers keep the weights' dtype, as cache-dit's regional quantization does by default.
