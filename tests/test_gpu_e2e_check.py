@@ -46,17 +46,19 @@ def test_the_check_runs_the_workflows_through_comfyuis_executor(tmp_path):
 
 
 def test_fresh_process_runs_each_workflow_in_a_process_of_its_own(tmp_path):
-    """``--fresh-process`` (host RAM per recipe): one ComfyUI process per workflow, each row still ok."""
+    """``--fresh-process`` (host RAM per recipe): one ComfyUI process per workflow, each row still ok; with
+    ``--cold-disk`` the model files leave the page cache before each."""
     out = tmp_path / "out"
     finished = subprocess.run(
         [sys.executable, str(REPO / "checks" / "gpu" / "gpu_e2e.py"), "--tiny", "--cpu", "--modes", "default",
          "--workflows", "ernie_image_turbo,ernie_image_turbo_single_files", "--fresh-process",
-         "--work", str(tmp_path / "work"), "--out", str(out)],
+         "--cold-disk", "--work", str(tmp_path / "work"), "--out", str(out)],
         capture_output=True, text=True, timeout=900)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     log = (out / "e2e.log").read_text()
     starts = [line for line in log.splitlines() if line.startswith("===== default: ")]
     assert len(starts) == 2 and "ernie_image_turbo.json" in starts[0] and "single_files" in starts[1]
+    assert log.count("page cache dropped") == 2, log[:2000]
     table = (out / "e2e.md").read_text()
     for workflow in ("ernie_image_turbo", "ernie_image_turbo_single_files"):
         assert f"| default | {workflow} | ok |" in table

@@ -8,6 +8,7 @@
     python checks/gpu/gpu_e2e.py --core fork               # on the 0.12.1 fork (.gpu-fork/src), dynamic VRAM on
     python checks/gpu/gpu_e2e.py --warm-runs 3 --pack ../old   # median of 3 warm runs; another checkout's pack
     python checks/gpu/gpu_e2e.py --modes card16 --fresh-process --copies  # per recipe: its own process, bytes moved
+    python checks/gpu/gpu_e2e.py --modes card16 --fresh-process --cold-disk  # each process after a cold disk
 
 Writes true-size random-weight models in the real layouts once (``e2e_models.py``; about 42 GB under ``--work``),
 then runs one ComfyUI process per mode (``e2e_worker.py``), each running the API twins of ``tests/workflows/`` that
@@ -66,6 +67,7 @@ MODES = {
     "default": ("", None), "lowvram": ("--lowvram", None), "novram": ("--novram", None),
     "card24": ("--disable-cuda-malloc", 24.0), "card16": ("--disable-cuda-malloc", 16.0),
     "card12": ("--disable-cuda-malloc", 12.0), "card8": ("--disable-cuda-malloc", 8.0),
+    "card6": ("--disable-cuda-malloc", 6.0), "card4": ("--disable-cuda-malloc", 4.0),  # below the recipes: the floor
     "gpu-only": ("--gpu-only", None), "highvram": ("--highvram", None),
     "fp16-unet": ("--fp16-unet", None), "fp8-unet": ("--fp8_e4m3fn-unet", None), "bf16-unet": ("--bf16-unet", None),
 }
@@ -90,6 +92,27 @@ def base_directory(work: Path, mode: str, models: Path, pack: Path) -> Path:
     (base / "custom_nodes" / "comfyui-ernie-image").symlink_to(pack, target_is_directory=True)
     (base / "models").symlink_to(models, target_is_directory=True)
     return base
+
+
+def evict_page_cache(models: Path) -> str:
+    """Drop the model files' pages from the OS page cache (``posix_fadvise`` DONTNEED: no root needed), so that the
+    next process reads them from the disk as after a reboot; what stayed cached, as util-linux's ``fincore`` counts
+    it (a RAM-backed filesystem keeps everything)."""
+    files = [path for path in models.rglob("*") if path.is_file() and not path.is_symlink()]
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages cannot be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    total = sum(path.stat().st_size for path in files)
+    try:
+        counted = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, files)],
+                                 capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        return f"page cache of {total / 1e9:.1f} GB of model files dropped (fincore absent: not counted)"
+    return f"page cache dropped: {sum(map(int, counted)) / 1e9:.2f} of {total / 1e9:.1f} GB of model files still cached"
 
 
 def twin_path(args, name: str) -> Path:
@@ -141,6 +164,10 @@ def _run_worker(mode: str, args, models: Path, log, deadline: float, workflows: 
     command += ["--size", "256"] if args.tiny else []
     command += ["--base-steps", str(args.base_steps)] if args.base_steps else []
     command += ["--copies"] if args.copies else []
+    if args.cold_disk:
+        evicted = evict_page_cache(models)
+        print(f"{mode} {','.join(workflows)}: {evicted}", flush=True)
+        log.write(evicted + "\n")
     log.write(f"\n===== {mode}: {' '.join(command)}\n")
     log.flush()
     timed_out = False
@@ -267,6 +294,8 @@ def main() -> None:
                         "recipe's host RAM alone), instead of one per mode")
     parser.add_argument("--copies", action="store_true", help="one more warm run per workflow under the torch "
                         "profiler: bytes copied host <-> GPU per warm prompt")
+    parser.add_argument("--cold-disk", action="store_true", help="drop the model files from the page cache before "
+                        "each process (first runs as after a reboot)")
     parser.add_argument("--pack", type=Path, default=REPO, help="the pack to install, and its tests/workflows twins "
                         "(another checkout: the same check on older code, e.g. to compare times)")
     args = parser.parse_args()
