@@ -99,7 +99,9 @@ def evict_page_cache(models: Path) -> str:
     """Drop the model files' pages from the OS page cache (``posix_fadvise`` DONTNEED: no root needed), so that the
     next process reads them from the disk as after a reboot; what stayed cached, as util-linux's ``fincore`` counts
     it (a RAM-backed filesystem keeps everything)."""
-    files = [path for path in models.rglob("*") if path.is_file() and not path.is_symlink()]
+    # One path per file: the models folder links one file under several names (the repack's and the snapshot's).
+    files = list({(stat.st_dev, stat.st_ino): path for path in models.rglob("*")
+                  if path.is_file() and not path.is_symlink() for stat in (path.stat(),)}.values())
     for path in files:
         fd = os.open(path, os.O_RDONLY)
         try:
