@@ -87,8 +87,7 @@ def read_safetensors(path: Path, keys: Iterable[str] | None = None) -> dict[str,
     _check_header_size(path)
     try:
         if keys is None:
-            with safe_open(str(path), framework="pt") as f:
-                keys = list(f.keys())
+            keys = safetensors_keys(path)
         # One handle per tensor. safetensors maps the file once per handle, and every page a tensor of that handle
         # touched stays in host RAM until all of its tensors are gone: a DiT read through one handle kept its whole
         # 15 GB file resident while its blocks were quantized and moved away one by one (26.9 GiB host RAM on a

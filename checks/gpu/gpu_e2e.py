@@ -100,8 +100,9 @@ def evict_page_cache(models: Path) -> str:
     next process reads them from the disk as after a reboot; what stayed cached, as util-linux's ``fincore`` counts
     it (a RAM-backed filesystem keeps everything)."""
     # One path per file: the models folder links one file under several names (the repack's and the snapshot's).
-    files = list({(stat.st_dev, stat.st_ino): path for path in models.rglob("*")
-                  if path.is_file() and not path.is_symlink() for stat in (path.stat(),)}.values())
+    sizes = {(stat.st_dev, stat.st_ino): (path, stat.st_size) for path in models.rglob("*")
+             if path.is_file() and not path.is_symlink() for stat in (path.stat(),)}
+    files = [path for path, _ in sizes.values()]
     for path in files:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -109,7 +110,7 @@ def evict_page_cache(models: Path) -> str:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-    total = sum(path.stat().st_size for path in files)
+    total = sum(size for _, size in sizes.values())
     try:
         counted = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, files)],
                                  capture_output=True, text=True, check=True).stdout.split()
