@@ -69,11 +69,10 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, 
     dit.quantization, dit.quantize_to = quantization, halving_method(cuda_arch(device))
     if getattr(dit, "gguf_types", None):
         dit.quantization, dit.quantize_to = "GGUF", None  # quantized in its file: no loader method applies
-    # Core's mixed-precision layers and the GGUF layers under torch.compile are unverified (they have not run on a
-    # GPU): a file held in them stays eager unless ErnieImageCompile asks, as do the methods that say so. Blocks
-    # stored in fp8 compile only where Triton converts fp8 (sm89+).
-    held = getattr(dit, "quant_formats", None) or getattr(dit, "gguf_types", None)
-    compiles = (compiles_by_default(device) and method.compiles and not held
+    # Core's mixed-precision layers under torch.compile are unverified (they have not run on a GPU): a file held in
+    # them stays eager unless ErnieImageCompile asks, as do the methods that say so. A GGUF DiT compiles (its decode
+    # fused by inductor). Blocks stored in fp8 compile only where Triton converts fp8 (sm89+).
+    compiles = (compiles_by_default(device) and method.compiles and not getattr(dit, "quant_formats", None)
                 and fp8_cast_problem(dit.layers, device) is None)
     # Compiled blocks need their weights on the GPU: where the whole DiT fits there, core's classic patcher keeps
     # it so (as core's compile node demotes a dynamic model); elsewhere core's own choice streams it.

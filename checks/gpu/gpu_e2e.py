@@ -55,6 +55,9 @@ DERIVED = {
     "ernie_image_gguf": ("ernie_image_turbo_single_files", "dit",
                          {"model_name": "diffusion_models/ernie-image-turbo-Q4_K_M.gguf"}),
     "ernie_image_gguf_te_fp8": ("ernie_image_gguf", "te", {"weight_dtype": "fp8_e4m3fn"}),  # 12 GB: both fit
+    # 16 and 24 GB: the PE workflow with the low-VRAM loader's settings and the PE in fp8 too.
+    "ernie_image_pe_low_vram": ("ernie_image_pe_local", "loader", {
+        "quantization": "auto", "text_encoder_weight_dtype": "fp8_e4m3fn", "pe_weight_dtype": "fp8_e4m3fn"}),
 }
 NOT_RUN = {"ernie_image_turbo_native": "needs ComfyUI >= 0.19 (native ERNIE loaders); the check runs {core}",
            "ernie_image_pe_remote": "needs an OpenAI-compatible server; CPU tests run it against transformers serve"}

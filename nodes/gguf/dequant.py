@@ -28,7 +28,7 @@ SUPPORTED = (*BLOCKS, *PLAIN)
 SCALE_OFFSETS = {"Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 UNSUPPORTED_ADVICE = ("The pack reads the GGUF types Q8_0, Q6_K, Q5_K and Q4_K (the Q8_0, Q6_K, Q5_K_M/S and "
                       "Q4_K_M/S files) and F16, BF16, F32: pick one of those files, or the safetensors file.")
-# Values decoded per step: the float32 temporaries stay at 64 MiB however large the layer, a few steps per layer.
+# Values decoded per step when eager: the float32 temporaries stay at 64 MiB however large the layer.
 CHUNK_VALUES = 1 << 24
 
 
@@ -98,9 +98,11 @@ def dequantize(raw: torch.Tensor, kind: str, shape: tuple[int, ...], dtype: torc
     Decoded in float32, as the reference does, then rounded once to ``dtype``."""
     values, size = BLOCKS[kind]
     blocks = raw.reshape(-1, size)
+    decode = _DECODE[kind]
+    if torch.compiler.is_compiling():  # inductor fuses the decode into one kernel: no float32 temporaries to bound
+        return decode(blocks).to(dtype).view(shape)
     out = torch.empty(blocks.shape[0] * values, dtype=dtype, device=raw.device)
     step = max(1, CHUNK_VALUES // values)
-    decode = _DECODE[kind]
     for start in range(0, blocks.shape[0], step):
         out[start * values:(start + step) * values] = decode(blocks[start:start + step]).flatten()
     return out.view(shape)

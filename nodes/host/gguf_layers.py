@@ -54,6 +54,12 @@ class GGUFLinear(comfy.ops.disable_weight_init.Linear):
         self.weight = torch.nn.Parameter(blocks, requires_grad=False)
         self.gguf_type, self.gguf_shape = kind, tuple(shape)
 
+    @property
+    def patches_per_call(self) -> bool:
+        """Whether a LoRA is applied to the decoded weight at each call: the pack's compile leaves such a block
+        eager, as core's streamed layers (a patch's strength is a constant to dynamo: each one would recompile)."""
+        return getattr(self.weight, PATCHES, None) is not None
+
     def decoded_weight(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The weight on ``device`` in ``dtype``, with the LoRA patches core gave it."""
         blocks = self.weight.to(device, non_blocking=mm.device_supports_non_blocking(device))
