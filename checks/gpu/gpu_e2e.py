@@ -46,9 +46,9 @@ WORKFLOWS = ("ernie_image_turbo", "ernie_image_turbo_single_files", "ernie_image
              "ernie_image_gguf")
 # Twins the check makes from another (name: (the twin, the loader node changed, what its inputs become: those of the
 # same node in another twin, or these)), for recipes without a shared workflow of their own. The low-VRAM workflow's
-# note gives two: its loader with the LoRA workflow's LoRA, and the Turbo workflow with the fp8 text encoder (24 GB,
-# bf16 as released); the README's row for cards under 16 GB a third: the single-files workflow with a GGUF of the
-# DiT (the Q4_K_M file e2e_models.py writes).
+# note gives three: its loader with the LoRA workflow's LoRA, the Turbo workflow with the fp8 text encoder (24 GB,
+# bf16 as released) and the PE workflow with its loader's settings; the README's rows for cards under 16 GB the
+# single-files workflow with a GGUF of the DiT (the Q4_K_M file e2e_models.py writes).
 DERIVED = {
     "ernie_image_low_vram_lora": ("ernie_image_turbo_lora", "loader", "ernie_image_low_vram"),
     "ernie_image_turbo_te_fp8": ("ernie_image_turbo", "loader", {"text_encoder_weight_dtype": "fp8_e4m3fn"}),
