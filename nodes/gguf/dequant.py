@@ -99,7 +99,7 @@ def dequantize(raw: torch.Tensor, kind: str, shape: tuple[int, ...], dtype: torc
     values, size = BLOCKS[kind]
     blocks = raw.reshape(-1, size)
     decode = _DECODE[kind]
-    if torch.compiler.is_compiling():  # inductor fuses the decode into one kernel: no float32 temporaries to bound
+    if torch.compiler.is_compiling():  # inductor fuses the decode's steps: no float32 temporaries to bound
         return decode(blocks).to(dtype).view(shape)
     out = torch.empty(blocks.shape[0] * values, dtype=dtype, device=raw.device)
     step = max(1, CHUNK_VALUES // values)
