@@ -8,7 +8,7 @@ tiny size with random weights and save them exactly as users find them on disk:
 - ComfyUI repack single files (``diffusion_models/*.safetensors`` with diffusers' DiT keys);
 - the PE under ``text_encoders/``: a Hugging Face folder and a ComfyUI-style single file (tokenizer inside).
 
-Run as a script to write both layouts under a ComfyUI ``models`` folder.
+Run as a script to write both layouts under a ComfyUI ``models`` folder (``--gguf``: the DiT as a GGUF too).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ TINY_DIT = dict(
     text_in_dim=32,
     rope_axes_dim=(4, 6, 6),
 )
+TINY_GGUF = "ernie-image-turbo-tiny-Q4_K_M.gguf"  # --gguf: under diffusion_models/
 
 
 def make_tokenizer(chat_template: str | None = None):
@@ -247,6 +248,23 @@ def save_dit_single_file(transformer: torch.nn.Module, path: Path) -> Path:
     return path
 
 
+def tiny_dit_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    """The tiny DiT's weights (diffusers' class, zero-initialised layers randomised), float32."""
+    from diffusers import ErnieImageTransformer2DModel
+
+    torch.manual_seed(seed)
+    transformer = ErnieImageTransformer2DModel(**TINY_DIT)
+    randomise_zero_init(transformer, torch.Generator().manual_seed(seed))
+    return {k: v.detach().contiguous() for k, v in transformer.state_dict().items()}
+
+
+def write_gguf_dit(path: Path, seed: int = 0) -> Path:
+    """The tiny DiT as a GGUF of the community's Q4_K_M types (random valid K-quant blocks: ``gguf_writer.py``)."""
+    from scripts.gguf_writer import mixed_kind, write_gguf
+
+    return write_gguf(path, tiny_dit_state(seed), mixed_kind)
+
+
 def write_models_folder(models_dir: Path, seed: int = 0) -> dict[str, Path]:
     """A ComfyUI ``models`` folder holding one tiny snapshot and its parts as single files: the DiT
     (``diffusion_models``), the text encoder and the PE (``text_encoders``, the PE also as a folder), the VAE."""
@@ -266,8 +284,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models_dir", type=Path, help="a ComfyUI models folder to write into")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gguf", action="store_true", help=f"also the DiT as diffusion_models/{TINY_GGUF} (needs "
+                        "the gguf package; run as python -m scripts.tiny_models)")
     args = parser.parse_args()
-    for name, path in write_models_folder(args.models_dir, args.seed).items():
+    paths = write_models_folder(args.models_dir, args.seed)
+    if args.gguf:
+        paths["gguf_file"] = write_gguf_dit(args.models_dir / "diffusion_models" / TINY_GGUF, args.seed)
+    for name, path in paths.items():
         print(f"{name}: {path}")
 
 

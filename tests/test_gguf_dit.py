@@ -18,9 +18,9 @@ from comfyui_ernie_image.nodes.host.sizes import module_bytes
 from comfyui_ernie_image.nodes.lora.patching import apply_lora
 from helpers import lora as lora_helpers
 from helpers.accel import predict, sample
-from helpers.gguf_files import gguf_bytes, reference_state, tiny_state
+from helpers.gguf_files import gguf_bytes, reference_state
 from scripts.gguf_writer import mixed_kind, uniform_kind, write_gguf
-from scripts.tiny_models import TINY_DIT
+from scripts.tiny_models import TINY_DIT, tiny_dit_state, write_gguf_dit
 
 CPU, GPU = torch.device("cpu"), torch.device("meta")
 FILES = {"Q8_0": uniform_kind("Q8_0"), "Q4_K_M": mixed_kind, "Q5_K": uniform_kind("Q5_K")}
@@ -29,7 +29,7 @@ FILES = {"Q8_0": uniform_kind("Q8_0"), "Q4_K_M": mixed_kind, "Q5_K": uniform_kin
 @pytest.fixture(scope="module", params=list(FILES))
 def gguf_file(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / f"ernie-image-tiny-{request.param}.gguf"
-    return write_gguf(path, tiny_state(), FILES[request.param])
+    return write_gguf(path, tiny_dit_state(), FILES[request.param])
 
 
 def _gguf_model(path):
@@ -159,7 +159,7 @@ def test_compiled_it_samples_as_eager_and_blocks_with_a_lora_stay_eager(tmp_path
     from comfyui_ernie_image.nodes.accel.patching import apply_compile
 
     torch._dynamo.reset()
-    path = write_gguf(tmp_path / "ernie-image-tiny-Q4_K_M.gguf", tiny_state(), mixed_kind)
+    path = write_gguf_dit(tmp_path / "ernie-image-tiny-Q4_K_M.gguf")
     plain, turbo = _gguf_model(path), dict(steps=2, cfg=1.0)
     eager = sample(plain, **turbo)
     torch.testing.assert_close(sample(apply_compile(plain, "default"), **turbo), eager, rtol=1e-4, atol=1e-4)

@@ -21,15 +21,16 @@ from comfyui_ernie_image.nodes.host.gguf_layers import GGUFModelPatcher
 from comfyui_ernie_image.nodes.loaders import DIT_MODELS, ErnieImageDiTLoader
 from helpers.bounded import run_bounded
 from helpers.files import replace_bytes
-from helpers.gguf_files import gguf_string, raw_header, scale_offset, set_tensor_type, tiny_state
+from helpers.gguf_files import gguf_string, raw_header, scale_offset, set_tensor_type
 from scripts.gguf_writer import mixed_kind, uniform_kind, write_gguf
+from scripts.tiny_models import tiny_dit_state
 
 FLUX_NAMES = ("double_blocks.0.img_attn.qkv.weight", "double_blocks.0.img_mlp.0.weight", "img_in.weight")
 
 
 @pytest.fixture(scope="module")
 def state():
-    return tiny_state()
+    return tiny_dit_state()
 
 
 def load(name: str, weight_dtype: str = "default", quantization: str = "none"):

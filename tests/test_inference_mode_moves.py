@@ -25,10 +25,9 @@ from comfyui_ernie_image.nodes.pe.local.enhancer import LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.protocol import PromptSpec, SamplingParams
 from comfyui_ernie_image.nodes.text.nodes import ErnieImageTextEncoderLoader
 from helpers.accel import sample, text
-from helpers.gguf_files import tiny_state
 from helpers.lora import LAYERS, deltas, lora_file
 from helpers.quant_files import comfy_quant_fp8
-from scripts.gguf_writer import mixed_kind, write_gguf
+from scripts.tiny_models import write_gguf_dit
 
 
 class CopyingMoves(TorchFunctionMode):
@@ -101,7 +100,7 @@ def _samples_again_after_free(model) -> None:
 def test_a_gguf_dit_with_a_lora_samples_after_moves_and_after_free(tmp_path):
     """A GGUF DiT's blocks are read in inference mode and its LoRA patches are put on parameters when it loads,
     which ComfyUI does inside inference mode too (``host/gguf_layers.GGUFModelPatcher``)."""
-    path = write_gguf(tmp_path / "ernie-image-tiny-Q4_K_M.gguf", tiny_state(), mixed_kind)
+    path = write_gguf_dit(tmp_path / "ernie-image-tiny-Q4_K_M.gguf")
     with torch.inference_mode():
         model = _load_model(path, "default", "none", 4.0)
         model, report = apply_lora(model, lora_file("ai-toolkit", deltas(LAYERS, 1)), 1.0, "tiny.safetensors")

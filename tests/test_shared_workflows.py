@@ -29,6 +29,7 @@ from conftest import COMFY_DIR, REPO
 from helpers.lora import LAYERS, deltas, lora_file
 from helpers.pe_servers import transformers_serve
 from scripts.comfy_headless import ComfyServer
+from scripts.tiny_models import write_gguf_dit
 
 WORKFLOWS = sorted((REPO / "workflows").glob("*.json"))
 IDS = [p.stem for p in WORKFLOWS]
@@ -43,6 +44,7 @@ RELEASE_DIT_FILES = ("ernie-image-turbo.safetensors", "ernie-image.safetensors")
 RELEASE_TEXT_ENCODER, RELEASE_VAE = "ministral-3-3b.safetensors", "flux2-vae.safetensors"
 RELEASE_PE = "ernie-image-prompt-enhancer.safetensors"
 WORKFLOW_LORA = "ernie-image-turbo-lora.safetensors"
+COMMUNITY_GGUF = "ernie-image-turbo-Q4_K_M.gguf"
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 CHROMIUM = "/usr/bin/chromium"
 # Set ERNIE_UPDATE_SCREENSHOTS=1 to refresh the README pictures in docs/ from this test.
@@ -62,6 +64,8 @@ def release_models(tiny_models, tmp_path_factory) -> Path:
     (root / "text_encoders" / RELEASE_TEXT_ENCODER).symlink_to(tiny_models["text_encoder_file"])
     (root / "vae" / RELEASE_VAE).symlink_to(tiny_models["vae_file"])
     (root / "text_encoders" / RELEASE_PE).symlink_to(tiny_models["pe_single_file"])
+    # A community GGUF of the DiT, as the GGUF workflow names it (random valid blocks of its types).
+    write_gguf_dit(root / "diffusion_models" / COMMUNITY_GGUF)
     # A LoRA is the user's own (no release to download): the LoRA workflow names this one.
     (root / "loras").mkdir()
     save_file(lora_file("peft", deltas(LAYERS, seed=1)), root / "loras" / WORKFLOW_LORA)
@@ -225,6 +229,8 @@ LOADER_FOLDERS = {
 }
 # Widgets that name the user's own files, which no release offers for download (the note says where they go).
 USER_FILES = {("ErnieImageLoraLoader", "lora_name")}
+# The community's GGUF files of the DiT: no release of Baidu's or ComfyUI's to download either (the note says so).
+COMMUNITY_SUFFIXES = (".gguf",)
 HF_RESOLVE_URL = r"https://huggingface\.co/[\w.-]+/[\w.-]+/resolve/[\w.-]+/(?:[\w.-]+/)*"
 
 
@@ -236,7 +242,7 @@ def _model_widgets(ui: dict, object_info: dict):
             continue
         for name, value in _widget_values(node, object_info[node["type"]]).items():
             folder = LOADER_FOLDERS.get((node["type"], name))
-            if (node["type"], name) in USER_FILES:
+            if (node["type"], name) in USER_FILES or (isinstance(value, str) and value.endswith(COMMUNITY_SUFFIXES)):
                 continue
             if folder is None:
                 assert not (isinstance(value, str) and value.endswith(".safetensors")), \

@@ -43,18 +43,16 @@ REPO = Path(__file__).resolve().parents[2]
 # Turbo first (run again after /free), the PE before the FP8 workflow: the order a user might meet them in.
 WORKFLOWS = ("ernie_image_turbo", "ernie_image_turbo_single_files", "ernie_image_pe_local", "ernie_image_low_vram",
              "ernie_image_base", "ernie_image_cache_compile", "ernie_image_turbo_lora", "ernie_image_low_vram_lora",
-             "ernie_image_gguf")
+             "ernie_image_turbo_gguf")
 # Twins the check makes from another (name: (the twin, the loader node changed, what its inputs become: those of the
 # same node in another twin, or these)), for recipes without a shared workflow of their own. The low-VRAM workflow's
 # note gives three: its loader with the LoRA workflow's LoRA, the Turbo workflow with the fp8 text encoder (24 GB,
-# bf16 as released) and the PE workflow with its loader's settings; the README's rows for cards under 16 GB the
-# single-files workflow with a GGUF of the DiT (the Q4_K_M file e2e_models.py writes).
+# bf16 as released) and the PE workflow with its loader's settings; the GGUF workflow's note (it reads the Q4_K_M
+# file e2e_models.py writes) its 8 GB setting, the text encoder as it is.
 DERIVED = {
     "ernie_image_low_vram_lora": ("ernie_image_turbo_lora", "loader", "ernie_image_low_vram"),
     "ernie_image_turbo_te_fp8": ("ernie_image_turbo", "loader", {"text_encoder_weight_dtype": "fp8_e4m3fn"}),
-    "ernie_image_gguf": ("ernie_image_turbo_single_files", "dit",
-                         {"model_name": "diffusion_models/ernie-image-turbo-Q4_K_M.gguf"}),
-    "ernie_image_gguf_te_fp8": ("ernie_image_gguf", "te", {"weight_dtype": "fp8_e4m3fn"}),  # 12 GB: both fit
+    "ernie_image_gguf": ("ernie_image_turbo_gguf", "te", {"weight_dtype": "default"}),  # 8 GB: the TE on the CPU
     # 16 and 24 GB: the PE workflow with the low-VRAM loader's settings and the PE in fp8 too.
     "ernie_image_pe_low_vram": ("ernie_image_pe_local", "loader", {
         "quantization": "auto", "text_encoder_weight_dtype": "fp8_e4m3fn", "pe_weight_dtype": "fp8_e4m3fn"}),

@@ -65,6 +65,7 @@ RELEASE_NAMES = {
     "text_encoders/ministral-3-3b.safetensors": "text_encoder_file",
     "vae/flux2-vae.safetensors": "vae_file",
     "text_encoders/ernie-image-prompt-enhancer.safetensors": "pe_single_file",
+    "diffusion_models/ernie-image-turbo-Q4_K_M.gguf": "gguf_file",  # the community's file the GGUF twin names
 }
 TINY = {  # where scripts/tiny_models.py writes each of them under the models folder
     "snapshot": "diffusers/ERNIE-Image-Turbo-tiny",
@@ -73,6 +74,7 @@ TINY = {  # where scripts/tiny_models.py writes each of them under the models fo
     "vae_file": "vae/flux2-vae-tiny.safetensors",
     "pe_folder": "text_encoders/ernie-image-prompt-enhancer-tiny",
     "pe_single_file": "text_encoders/ernie-image-prompt-enhancer-tiny.safetensors",
+    "gguf_file": "diffusion_models/ernie-image-turbo-tiny-Q4_K_M.gguf",  # --gguf
 }
 WORKFLOW_LORA = "loras/ernie-image-turbo-lora.safetensors"  # the LoRA twin's file (the user's own: none released)
 DEFAULT_TESTS = [
@@ -182,7 +184,7 @@ def setup(work: Path, shared: Path, git_dir: Path) -> dict:
     if not (stamps.done("tiny-models", models_key) and (models / TINY["snapshot"] / "model_index.json").is_file()):
         shutil.rmtree(models, ignore_errors=True)
         models.mkdir(parents=True)
-        run([python, REPO / "scripts" / "tiny_models.py", models])
+        run([python, "-m", "scripts.tiny_models", models, "--gguf"], cwd=REPO)
         stamps.mark("tiny-models", models_key)
     else:
         log(f"models: tiny models already in {models}")

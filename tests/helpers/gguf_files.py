@@ -11,18 +11,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from diffusers import ErnieImageTransformer2DModel
 
 from scripts.gguf_writer import ORIG_SHAPE, SCALES
-from scripts.tiny_models import TINY_DIT, randomise_zero_init
-
-
-def tiny_state(seed: int = 0) -> dict[str, torch.Tensor]:
-    """The tiny DiT's weights (diffusers' class, zero-initialised layers randomised), float32."""
-    torch.manual_seed(seed)
-    transformer = ErnieImageTransformer2DModel(**TINY_DIT)
-    randomise_zero_init(transformer, torch.Generator().manual_seed(seed))
-    return {k: v.detach().contiguous() for k, v in transformer.state_dict().items()}
 
 
 def reference_state(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
