@@ -1,7 +1,7 @@
 """The GPU end-to-end check (``checks/gpu/gpu_e2e.py``) itself, on tiny models and the CPU: it must keep working between
-GPU runs. A real ComfyUI executor in a process of its own runs the Turbo, local-PE, LoRA and GGUF workflows twice,
-then /free, then Turbo again; the table says so. The GGUF of the DiT the check writes at true size is one the pack
-reads."""
+GPU runs. A real ComfyUI executor in a process of its own runs the Turbo, local-PE, LoRA and GGUF + LoRA workflows
+twice, then /free, then Turbo again; the table says so. The GGUF of the DiT the check writes at true size is one the
+pack reads."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_the_check_runs_the_workflows_through_comfyuis_executor(tmp_path):
     out = tmp_path / "out"
     finished = subprocess.run(
         [sys.executable, str(REPO / "checks" / "gpu" / "gpu_e2e.py"), "--tiny", "--cpu", "--modes", "default",
-         "--workflows", "ernie_image_turbo,ernie_image_pe_local,ernie_image_turbo_lora,ernie_image_gguf",
+         "--workflows", "ernie_image_turbo,ernie_image_pe_local,ernie_image_turbo_lora,ernie_image_gguf_lora",
          "--work", str(tmp_path / "work"), "--out", str(out), "--pe-tokens", "8"],
         capture_output=True, text=True, timeout=900)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
@@ -35,13 +35,15 @@ def test_the_check_runs_the_workflows_through_comfyuis_executor(tmp_path):
     assert pe.split(" | ")[2].startswith("ok; /free: ")
     lora = next(line for line in table if line.startswith("| default | ernie_image_turbo_lora | "))
     assert lora.split(" | ")[2] == "ok" and "applied 70 of its 70 diffusion-model layers" in lora  # 10 tiny blocks x 7
-    # The single-files workflow with the Q4_K_M GGUF the check writes, recognised by its names under 'wan' (the
-    # table cuts the log lines short: the runs' own rows hold them whole).
-    gguf_row = next(line for line in table if line.startswith("| default | ernie_image_gguf | "))
+    # The GGUF workflow (8 GB setting) with the Q4_K_M GGUF the check writes, recognised by its names under 'wan',
+    # and the LoRA workflow's LoRA spliced in after its DiT loader (the table cuts the log lines short: the runs'
+    # own rows hold them whole).
+    gguf_row = next(line for line in table if line.startswith("| default | ernie_image_gguf_lora | "))
     assert gguf_row.split(" | ")[2] == "ok" and "GGUFModelPatcher" in gguf_row
     runs = [json.loads(line) for line in (out / "e2e.jsonl").read_text().splitlines()]
-    notes = " ".join(next(r for r in runs if r["workflow"] == "ernie_image_gguf" and r["run"] == "first")["notes"])
+    notes = " ".join(next(r for r in runs if r["workflow"] == "ernie_image_gguf_lora" and r["run"] == "first")["notes"])
     assert "general.architecture 'wan'" in notes and "held as GGUF blocks (52 Q4_K, 1 Q5_K, 20 Q6_K)" in notes
+    assert "applied 70 of its 70 diffusion-model layers" in notes
     assert "| - | ernie_image_turbo_native | not run: needs ComfyUI >= 0.19" in "\n".join(table)
 
 

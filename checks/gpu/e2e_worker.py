@@ -358,8 +358,9 @@ class HostMemoryPeaks:
 
 class _Server:
     """What the executor needs of ComfyUI's server, recording when each node starts (the executor announces nodes
-    to a client only: each prompt names this one). The GPU is synchronised first, so that a node's time includes its
-    work."""
+    to a client only: each prompt names this one) and the peak GPU memory of the node before it (torch's peak
+    statistics, reset at each start: which node a whole-run peak is). The GPU is synchronised first, so that a
+    node's time includes its work."""
 
     client_id = "gpu-e2e-check"
     last_node_id = last_prompt_id = None
@@ -368,11 +369,36 @@ class _Server:
 
     def __init__(self):
         self.started: list[tuple[str, float]] = []
+        self.peaks: list[tuple[float, float, float]] = []  # segment_peak() at each start, then at the end
 
     def send_sync(self, event, data, sid=None) -> None:
         if event == "executing" and data.get("node") is not None:
             _synchronize()
+            self.peaks.append(segment_peak())
             self.started.append((data["node"], time.perf_counter()))
+
+
+def segment_peak() -> tuple[float, float, float]:
+    """Torch's peak allocated and reserved GiB since the last reset and what is allocated now, then a reset; zeros
+    without CUDA statistics."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0.0, 0.0, 0.0
+    try:
+        peak = (torch.cuda.max_memory_allocated() / GIB, torch.cuda.max_memory_reserved() / GIB,
+                torch.cuda.memory_allocated() / GIB)
+        torch.cuda.reset_peak_memory_stats()
+    except RuntimeError:  # an allocator without peak statistics
+        return 0.0, 0.0, 0.0
+    return peak
+
+
+def node_peaks(started: list[tuple[str, float]], peaks: list[tuple[float, float, float]], graph: dict) -> dict:
+    """Each executed node's GPU memory, ``allocated at its start > peak allocated / peak reserved`` GiB, named
+    ``id ClassType`` (``peaks``: one at the first start, then one as each node ends)."""
+    return {f"{node} {graph.get(node, {}).get('class_type', '?')}": f"{at[2]:.2f} > {end[0]:.2f}/{end[1]:.2f}"
+            for (node, _), at, end in zip(started, peaks, peaks[1:], strict=True)}
 
 
 def _synchronize() -> None:
@@ -427,6 +453,7 @@ def run_prompt(execution, executor, graph: dict, nvml: NvmlPeak | None = None) -
         except RuntimeError:  # an allocator without peak statistics: none recorded
             cuda = False
     executor.server.started.clear()
+    executor.server.peaks.clear()
     start = time.perf_counter()
     try:
         prompt_id = uuid.uuid4().hex
@@ -446,8 +473,11 @@ def run_prompt(execution, executor, graph: dict, nvml: NvmlPeak | None = None) -
             kind = str(failure.get("exception_type", "")).rsplit(".", 1)[-1]
             row["error"] = f"{failure.get('node_type')}: {kind}: {failure.get('exception_message', '')}"[:600]
         if cuda:
-            row.update(peak_allocated_gib=round(torch.cuda.max_memory_allocated() / GIB, 2),
-                       peak_reserved_gib=round(torch.cuda.max_memory_reserved() / GIB, 2))
+            peaks = executor.server.peaks
+            peaks.append(segment_peak())  # the last node's
+            row.update(peak_allocated_gib=round(max(p[0] for p in peaks), 2),
+                       peak_reserved_gib=round(max(p[1] for p in peaks), 2),
+                       nodes_peak_gib=node_peaks(executor.server.started, peaks, graph))
         row.update(nvml.row() if nvml is not None else {}, loads=dict(notes.loads), patchers=loaded_patchers())
         return row
     finally:

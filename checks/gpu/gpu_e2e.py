@@ -44,18 +44,25 @@ REPO = Path(__file__).resolve().parents[2]
 WORKFLOWS = ("ernie_image_turbo", "ernie_image_turbo_single_files", "ernie_image_pe_local", "ernie_image_low_vram",
              "ernie_image_base", "ernie_image_cache_compile", "ernie_image_turbo_lora", "ernie_image_low_vram_lora",
              "ernie_image_turbo_gguf")
-# Twins the check makes from another (name: (the twin, the loader node changed, what its inputs become: those of the
-# same node in another twin, or these)), for recipes without a shared workflow of their own. The low-VRAM workflow's
-# note gives three: its loader with the LoRA workflow's LoRA, the Turbo workflow with the fp8 text encoder (24 GB,
-# bf16 as released) and the PE workflow with its loader's settings; the GGUF workflow's note (it reads the Q4_K_M
-# file e2e_models.py writes) its 8 GB setting, the text encoder as it is.
+# Twins the check makes from another (name: (the twin, {node: what its inputs become: those of the same node in
+# another twin, or these})), for recipes without a shared workflow of their own. A node the twin lacks is taken
+# whole from the other twin and put after the model loader (a LoRA: it takes the MODEL the sampler took). The
+# low-VRAM workflow's note gives three: its loader with the LoRA workflow's LoRA, the Turbo workflow with the fp8
+# text encoder (24 GB, bf16 as released) and the PE workflow with its loader's settings; the GGUF workflow's note
+# (it reads the Q4_K_M file e2e_models.py writes) its 8 GB setting, the text encoder as it is, a LoRA, and Base
+# (the same random weights: the architecture is the same) at 50 steps, CFG 4.
 DERIVED = {
-    "ernie_image_low_vram_lora": ("ernie_image_turbo_lora", "loader", "ernie_image_low_vram"),
-    "ernie_image_turbo_te_fp8": ("ernie_image_turbo", "loader", {"text_encoder_weight_dtype": "fp8_e4m3fn"}),
-    "ernie_image_gguf": ("ernie_image_turbo_gguf", "te", {"weight_dtype": "default"}),  # 8 GB: the TE on the CPU
+    "ernie_image_low_vram_lora": ("ernie_image_turbo_lora", {"loader": "ernie_image_low_vram"}),
+    "ernie_image_turbo_te_fp8": ("ernie_image_turbo", {"loader": {"text_encoder_weight_dtype": "fp8_e4m3fn"}}),
+    "ernie_image_gguf": ("ernie_image_turbo_gguf", {"te": {"weight_dtype": "default"}}),  # 8 GB: the TE on the CPU
+    "ernie_image_turbo_gguf_lora": ("ernie_image_turbo_gguf", {"lora": "ernie_image_turbo_lora"}),
+    "ernie_image_gguf_lora": ("ernie_image_gguf", {"lora": "ernie_image_turbo_lora"}),
+    "ernie_image_base_gguf": ("ernie_image_turbo_gguf", {
+        "positive": "ernie_image_base", "negative": "ernie_image_base", "sigmas": "ernie_image_base",
+        "sampler": {"cfg": 4.0}}),
     # 16 and 24 GB: the PE workflow with the low-VRAM loader's settings and the PE in fp8 too.
-    "ernie_image_pe_low_vram": ("ernie_image_pe_local", "loader", {
-        "quantization": "auto", "text_encoder_weight_dtype": "fp8_e4m3fn", "pe_weight_dtype": "fp8_e4m3fn"}),
+    "ernie_image_pe_low_vram": ("ernie_image_pe_local", {"loader": {
+        "quantization": "auto", "text_encoder_weight_dtype": "fp8_e4m3fn", "pe_weight_dtype": "fp8_e4m3fn"}}),
 }
 NOT_RUN = {"ernie_image_turbo_native": "needs ComfyUI >= 0.19 (native ERNIE loaders); the check runs {core}",
            "ernie_image_pe_remote": "needs an OpenAI-compatible server; CPU tests run it against transformers serve"}
@@ -124,11 +131,21 @@ def twin_path(args, name: str) -> Path:
     """The API twin ``name``: the pack's ``tests/workflows/`` file, or a ``DERIVED`` one written under ``--work``."""
     if name not in DERIVED:
         return args.pack / "tests" / "workflows" / f"{name}.json"
-    source, loader, inputs = DERIVED[name]
+    source, edits = DERIVED[name]
     graph = json.loads(twin_path(args, source).read_text())
-    if isinstance(inputs, str):
-        inputs = json.loads(twin_path(args, inputs).read_text())[loader]["inputs"]
-    graph[loader]["inputs"].update(inputs)
+    for node, inputs in edits.items():
+        if node not in graph:  # a LoRA node: it takes the sampler's MODEL, and gives it to all that took it
+            model = next(n for n in graph.values() if n["class_type"] == "SamplerCustom")["inputs"]["model"]
+            for other in graph.values():
+                if other["inputs"].get("model") == model:
+                    other["inputs"]["model"] = [node, 0]
+            graph[node] = json.loads(twin_path(args, inputs).read_text())[node]
+            graph[node]["inputs"]["model"] = model
+            continue
+        if isinstance(inputs, str):  # its widgets' values; its links stay this twin's
+            inputs = {key: value for key, value in json.loads(twin_path(args, inputs).read_text())[node]["inputs"]
+                      .items() if not isinstance(value, list)}
+        graph[node]["inputs"].update(inputs)
     path = args.work / "derived" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(graph, indent=2))
