@@ -398,7 +398,7 @@ def node_peaks(started: list[tuple[str, float]], peaks: list[tuple[float, float,
     """Each executed node's GPU memory, ``allocated at its start > peak allocated / peak reserved`` GiB, named
     ``id ClassType`` (``peaks``: one at the first start, then one as each node ends)."""
     return {f"{node} {graph.get(node, {}).get('class_type', '?')}": f"{at[2]:.2f} > {end[0]:.2f}/{end[1]:.2f}"
-            for (node, _), at, end in zip(started, peaks, peaks[1:], strict=True)}
+            for (node, _), at, end in zip(started, peaks[:-1], peaks[1:], strict=True)}
 
 
 def _synchronize() -> None:

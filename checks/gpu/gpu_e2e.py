@@ -49,14 +49,16 @@ WORKFLOWS = ("ernie_image_turbo", "ernie_image_turbo_single_files", "ernie_image
 # whole from the other twin and put after the model loader (a LoRA: it takes the MODEL the sampler took). The
 # low-VRAM workflow's note gives three: its loader with the LoRA workflow's LoRA, the Turbo workflow with the fp8
 # text encoder (24 GB, bf16 as released) and the PE workflow with its loader's settings; the GGUF workflow's note
-# (it reads the Q4_K_M file e2e_models.py writes) its 8 GB setting, the text encoder as it is, a LoRA, and Base
-# (the same random weights: the architecture is the same) at 50 steps, CFG 4.
+# (it reads the Q4_K_M file e2e_models.py writes) its 8 GB setting, the text encoder as it is, a LoRA, core's tiled
+# decode, and Base (the same random weights: the architecture is the same) at 50 steps, CFG 4.
 DERIVED = {
     "ernie_image_low_vram_lora": ("ernie_image_turbo_lora", {"loader": "ernie_image_low_vram"}),
     "ernie_image_turbo_te_fp8": ("ernie_image_turbo", {"loader": {"text_encoder_weight_dtype": "fp8_e4m3fn"}}),
     "ernie_image_gguf": ("ernie_image_turbo_gguf", {"te": {"weight_dtype": "default"}}),  # 8 GB: the TE on the CPU
     "ernie_image_turbo_gguf_lora": ("ernie_image_turbo_gguf", {"lora": "ernie_image_turbo_lora"}),
     "ernie_image_gguf_lora": ("ernie_image_gguf", {"lora": "ernie_image_turbo_lora"}),
+    "ernie_image_gguf_tiled_decode": ("ernie_image_gguf", {"decode": {  # core's tiled decode, its defaults
+        "class_type": "VAEDecodeTiled", "tile_size": 512, "overlap": 64, "temporal_size": 64, "temporal_overlap": 8}}),
     "ernie_image_base_gguf": ("ernie_image_turbo_gguf", {
         "positive": "ernie_image_base", "negative": "ernie_image_base", "sigmas": "ernie_image_base",
         "sampler": {"cfg": 4.0}}),
@@ -145,6 +147,9 @@ def twin_path(args, name: str) -> Path:
         if isinstance(inputs, str):  # its widgets' values; its links stay this twin's
             inputs = {key: value for key, value in json.loads(twin_path(args, inputs).read_text())[node]["inputs"]
                       .items() if not isinstance(value, list)}
+        elif "class_type" in inputs:  # another node in its place (ComfyUI's tiled decode): its links stay
+            inputs = dict(inputs)
+            graph[node]["class_type"] = inputs.pop("class_type")
         graph[node]["inputs"].update(inputs)
     path = args.work / "derived" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -17,12 +17,13 @@ from ..model_files import builds_weights, read_safetensors
 # The VAE's batch-norm epsilon as trained and as diffusers applies it; ComfyUI's Flux.2 VAE assumes 1e-4,
 # which shifts every decoded latent channel whose running variance is small.
 TRAINED_BN_EPS = 1e-5
-# What a whole decode of one 1024² image (a 64×64 Flux.2 latent) needs beside the VAE's weights, in bf16: its
-# activations peak at 1.25 GiB (bench/vae_activation_peak.py) and the decode took 1.07 GiB on the H200 under the
-# inference mode ComfyUI runs nodes in (bench/RESULTS.md, session 9 call 5); plus 30 % for other allocators'
-# rounding. Core's estimate for this VAE is 4.25 GiB, which pushed a resident DiT or text encoder off a 16 or 24 GB
-# card for every decode.
-DECODE_BYTES_1024_BF16 = int(1.64 * 2**30)
+# What a whole decode of one 1024² image (a 64×64 Flux.2 latent) needs beside the VAE's weights, in bf16: 2.13 GiB
+# of torch's peak over what was allocated when the VAE Decode node started, in ComfyUI's executor on the H200 (whole
+# GPU and emulated 12 GB cards; 2.01 on an 8 GB one), more than the activations alone (1.25 GiB,
+# bench/vae_activation_peak.py); plus 10 % (bench/RESULTS.md, session 18). Core's estimate for this VAE is 4.25 GiB,
+# which pushed a resident DiT or text encoder off a 16 or 24 GB card for every decode; one below the truth lets a
+# card that is nearly full run out of memory and fall back to a tiled decode.
+DECODE_BYTES_1024_BF16 = int(2.35 * 2**30)
 LATENT_PIXELS_1024 = 64 * 64
 
 

@@ -76,7 +76,7 @@ def main() -> int:
     state = e2e_worker.dynamic_vram_state()
     mappings = nodes.NODE_CLASS_MAPPINGS
     needed = {node["class_type"] for name in gpu_e2e.WORKFLOWS
-              for node in json.loads((gpu_e2e.TWINS / f"{name}.json").read_text()).values()}
+              for node in json.loads((gpu_e2e.REPO / "tests" / "workflows" / f"{name}.json").read_text()).values()}
     missing = sorted(needed - set(mappings))
     print(f"fork started in {time.perf_counter() - start:.0f} s: {len(mappings)} nodes, "
           f"{sum(1 for n in mappings if n.startswith('ErnieImage'))} of them the pack's; device "
