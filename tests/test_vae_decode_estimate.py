@@ -14,7 +14,7 @@ GIB = 2**30
 def test_the_estimate_is_the_measured_decode_scaled_by_pixels_and_dtype():
     at_1024 = decode_memory((1, 128, 64, 64), torch.bfloat16)
     assert at_1024 == DECODE_BYTES_1024_BF16
-    assert 2.13 * GIB < at_1024 < 2.5 * GIB  # above the 2.13 GiB measured in ComfyUI's executor, below core's 4.25
+    assert 1.25 * GIB < at_1024 < 2 * GIB  # above the activations' 1.25 GiB, well below core's 4.25 GiB
     assert decode_memory((1, 128, 128, 128), torch.bfloat16) == 4 * at_1024  # 2048²
     assert decode_memory((1, 128, 64, 64), torch.float32) == 2 * at_1024
     assert decode_memory((1, 128, 48, 80), torch.bfloat16) == int(at_1024 * 48 * 80 / 64**2)
@@ -38,5 +38,5 @@ def test_core_decodes_with_the_packs_estimate(tiny_models, monkeypatch):
     assert image.shape[1:3] == (4 * vae.upscale_ratio, 4 * vae.upscale_ratio)
     assert asked == [decode_memory(latent.shape, vae.vae_dtype)]
     core_estimate = 2178 * 64 * 64 * 64 * 2 * 4.0  # core 0.3.75's for this VAE at 1024² in bf16 (comfy/sd.py)
-    assert decode_memory((1, 128, 64, 64), torch.bfloat16) < 0.6 * core_estimate
+    assert decode_memory((1, 128, 64, 64), torch.bfloat16) < core_estimate / 2
 
