@@ -18,7 +18,8 @@ warnings, OOM retries and fallbacks ComfyUI logged) and writes it with every run
 
 ``--core fork`` runs the pip-installable fork of ComfyUI (0.12.1, ``hiddenswitch/pip-and-uv-installable-ComfyUI``,
 ``scripts/newcore/gpu_carry.py`` carries it to the GPU machine) instead of 0.3.75, with ``--fast dynamic_vram``
-(the fork's switch for dynamic VRAM, comfy-aimdo; ``--dynamic-vram off`` leaves it out). Each row says whether
+(the fork's switch for dynamic VRAM, comfy-aimdo; ``--dynamic-vram off`` leaves it out) and upstream's VRAM reserve
+(``--reserve-vram 0.4``; the fork reserves none by default). Each row says whether
 dynamic VRAM was on and which patcher class held each model, the peak device memory NVML saw next to torch's
 peaks, and the model loads the core logged (a warm run that loads again shows there).
 
@@ -181,8 +182,12 @@ def _run_worker(mode: str, args, models: Path, log, deadline: float, workflows: 
     results = args.out / f"runs-{mode}.jsonl"
     results.unlink(missing_ok=True)
     base = base_directory(args.work, mode, models, args.pack)
-    if args.core == "fork" and args.dynamic_vram == "on":
-        flags = (flags + " --fast dynamic_vram").strip()  # the fork's switch for dynamic VRAM (comfy-aimdo)
+    if args.core == "fork":
+        # Upstream's reserve on Linux (comfy/cli_args.py @03294572: --reserve-vram None, model_management's 400 MB);
+        # the fork's default is 0, which let a text encoder onto an 8 GB card that upstream keeps on the CPU.
+        flags = (flags + " --reserve-vram 0.4").strip()
+        if args.dynamic_vram == "on":
+            flags += " --fast dynamic_vram"  # the fork's switch for dynamic VRAM (comfy-aimdo)
     command = [sys.executable, str(REPO / "checks" / "gpu" / "e2e_worker.py"), "--comfyui", str(args.comfyui),
                "--core", args.core, "--base", str(base), "--flags=" + flags + (" --cpu" if args.cpu else ""),
                "--workflows", ",".join(str(twin_path(args, w)) for w in workflows),
