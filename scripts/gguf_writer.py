@@ -23,11 +23,11 @@ import numpy as np
 import torch
 
 T = gguf.GGMLQuantizationType
-# Where llama.cpp's blocks keep their fp16 scales (ggml-common.h: block_q8_0, block_q4_K, block_q5_K, block_q6_K),
+# Where llama.cpp's blocks keep their fp16 scales (ggml-common.h: block_q8_0, block_q3_K … block_q6_K),
 # and the largest |integer × sub-block scale| each multiplies them by: scales are drawn so that |weight| < 0.15
 # (a spread of about 0.03, near the normal(0, 0.02) of the check's other random models).
-SCALES = {"Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-SPAN = {"Q4_K": 63 * 15, "Q5_K": 63 * 31, "Q6_K": 127 * 32}
+SCALES = {"Q8_0": (0,), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+SPAN = {"Q3_K": 32 * 4, "Q4_K": 63 * 15, "Q5_K": 63 * 31, "Q6_K": 127 * 32}
 ORIG_SHAPE = "comfy.gguf.orig_shape."
 # The types the writer takes as numpy numbers; the others it takes as GGML bytes.
 NUMPY = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16)}
@@ -36,6 +36,8 @@ NUMPY = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16)}
 # embedding (a 1x1 conv) Q4_K too, and the text projection BF16, the time embedding F16.
 MIXED = {"to_v": "Q6_K", "linear_fc2": "Q6_K", "adaLN_modulation": "Q5_K", "time_embedding": "F16",
          "text_proj": "BF16"}
+# A Q3_K_M-like mix: most linear layers Q3_K, the value and down projections Q4_K, the rest as above.
+MIXED_Q3 = {**MIXED, "to_v": "Q4_K", "linear_fc2": "Q4_K"}
 
 
 def random_blocks(kind: str, count: int, rng: np.random.Generator) -> np.ndarray:
@@ -50,11 +52,15 @@ def random_blocks(kind: str, count: int, rng: np.random.Generator) -> np.ndarray
     return blocks
 
 
-def mixed_kind(name: str, value: torch.Tensor) -> str:
-    """The type of each tensor in the Q4_K_M-like file."""
+def mixed_kind(name: str, value: torch.Tensor, mix: Mapping[str, str] = MIXED, default: str = "Q4_K") -> str:
+    """The type of each tensor in the Q4_K_M-like file (with ``MIXED_Q3`` and ``Q3_K``: the Q3_K_M-like one)."""
     if value.ndim == 1:
         return "F32"
-    return next((kind for part, kind in MIXED.items() if part in name), "Q4_K")
+    return next((kind for part, kind in mix.items() if part in name), default)
+
+
+def q3_mixed_kind(name: str, value: torch.Tensor) -> str:
+    return mixed_kind(name, value, MIXED_Q3, "Q3_K")
 
 
 def uniform_kind(kind: str) -> Callable[[str, torch.Tensor], str]:

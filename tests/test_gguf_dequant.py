@@ -12,7 +12,7 @@ import torch
 from comfyui_ernie_image.nodes.gguf import dequant
 from scripts.gguf_writer import random_blocks
 
-KINDS = ["Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+KINDS = ["Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
 
 def _blocks(kind: str, count: int, seed: int = 0) -> np.ndarray:
@@ -58,3 +58,16 @@ def test_the_decoded_layout_is_row_major_over_the_blocks():
     flat = dequant.dequantize(torch.from_numpy(blocks.reshape(-1).copy()), "Q8_0", (1024,), torch.float32)
     one = dequant.dequantize(torch.from_numpy(blocks.reshape(-1, 34)[7].copy()), "Q8_0", (32,), torch.float32)
     assert torch.equal(flat[7 * 32:8 * 32], one)
+
+
+def test_compiled_the_decode_equals_eager_for_every_type():
+    """Where a GGUF DiT is held whole its blocks compile with the decode (``torch.compiler.is_compiling``: no step
+    loop): inductor's kernels give the same numbers as eager, each type in one graph (the CPU's inductor here)."""
+    raws = {kind: torch.from_numpy(_blocks(kind, 8 * 256, seed=7).reshape(-1).copy()) for kind in KINDS}
+
+    def decode_all(raws):
+        return {kind: dequant.dequantize(raw, kind, (8, 256), torch.bfloat16) for kind, raw in raws.items()}
+
+    compiled = torch.compile(decode_all, fullgraph=True)(raws)
+    for kind, eager in decode_all(raws).items():
+        assert torch.equal(compiled[kind], eager), kind

@@ -23,7 +23,7 @@ from scripts.gguf_writer import mixed_kind, uniform_kind, write_gguf
 from scripts.tiny_models import TINY_DIT, tiny_dit_state, write_gguf_dit
 
 CPU, GPU = torch.device("cpu"), torch.device("meta")
-FILES = {"Q8_0": uniform_kind("Q8_0"), "Q4_K_M": mixed_kind, "Q5_K": uniform_kind("Q5_K")}
+FILES = {"Q8_0": uniform_kind("Q8_0"), "Q4_K_M": mixed_kind, "Q5_K": uniform_kind("Q5_K"), "Q3_K": uniform_kind("Q3_K")}
 
 
 @pytest.fixture(scope="module", params=list(FILES))
@@ -63,7 +63,8 @@ def test_the_linear_layers_keep_the_files_blocks(gguf_file):
     total_bf16 = 2 * sum(math.prod(s) for s in shapes.values())
     print(f"{gguf_file.name}: the {len(held)} GGUF layers hold {blocks} bytes ({blocks_bf16} in bf16, "
           f"{blocks / blocks_bf16:.3f}); the DiT {module_bytes(dit)} bytes (the rest float32; {total_bf16} in bf16)")
-    assert blocks / blocks_bf16 <= {"Q8_0": 34 / 64, "Q4_K_M": 210 / 512, "Q5_K": 176 / 512}[gguf_file.stem[17:]]
+    assert blocks / blocks_bf16 <= {"Q8_0": 34 / 64, "Q4_K_M": 210 / 512, "Q5_K": 176 / 512,
+                                  "Q3_K": 110 / 512}[gguf_file.stem[17:]]
     assert patcher.model_size() == module_bytes(patcher.model)  # what core plans its loads with: the same bytes
 
 

@@ -137,7 +137,7 @@ def test_a_type_the_pack_does_not_read_is_named_with_advice(placed, state):
                               ("Q4_0" if "to_k" in n else "Q8_0")))
     with pytest.raises(ErnieImageError, match=r"q4_0\.gguf stores layers\.0\.self_attention\.to_k\.weight as Q4_0 "
                        r"\(and 9 more tensors in types it cannot read\), a GGUF type this pack does not read\. The "
-                       r"pack reads the GGUF types Q8_0, Q6_K, Q5_K and Q4_K"):
+                       r"pack reads the GGUF types Q8_0, Q6_K, Q5_K, Q4_K and Q3_K"):
         load(name)
 
 

@@ -15,6 +15,8 @@ A ComfyUI ``models`` folder for the GPU end-to-end check (``gpu_e2e.py``):
   released keys under ``general.architecture`` ``wan``): K-quant layers as random valid blocks, the rest from the
   DiT's weights (``scripts/gguf_writer.py``; 5.2 GB at true size, tensor by tensor: 17 s on a 2-core CPU, most of
   it writing to disk, and about 1 GB of host memory);
+- ``diffusion_models/ernie-image-turbo-Q3_K_M.gguf``: the same with a Q3_K_M-like mix (most layers Q3_K, the
+  value and down projections Q4_K; about 4 GB at true size), for the 8 GB card's smaller option;
 - ``loras/ernie-image-turbo-lora.safetensors``: a LoRA on every block linear layer (rank 64; 4 for tiny models) in
   the diffusers PEFT layout, the name the LoRA workflow picks.
 
@@ -35,7 +37,7 @@ from pathlib import Path
 import torch
 
 from bench.common import write_lora
-from scripts.gguf_writer import mixed_kind, write_gguf
+from scripts.gguf_writer import mixed_kind, q3_mixed_kind, write_gguf
 from scripts.tiny_models import (
     PE_CHAT_TEMPLATE,
     make_pipeline,
@@ -49,6 +51,7 @@ TRUE_MINISTRAL = dict(vocab_size=131072, hidden_size=3072, intermediate_size=921
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
                       bos_token_id=1, eos_token_id=2, pad_token_id=3)
 GGUF_DIT = "diffusion_models/ernie-image-turbo-Q4_K_M.gguf"
+GGUF_Q3_DIT = "diffusion_models/ernie-image-turbo-Q3_K_M.gguf"
 _DONE = ".complete"  # written last: a folder without it was interrupted and is written again
 
 
@@ -108,10 +111,11 @@ def true_size_pipeline():
     )
 
 
-def write_gguf_dit(state: Mapping[str, torch.Tensor], path: Path) -> Path:
-    """The DiT's weights ``state`` (on any device) as a Q4_K_M-like GGUF file at ``path``, as community files are:
-    the released keys, ``general.architecture`` ``wan`` (the pack must recognise the DiT by its names)."""
-    return write_gguf(path, state, mixed_kind, arch="wan")
+def write_gguf_dit(state: Mapping[str, torch.Tensor], path: Path, kind=mixed_kind) -> Path:
+    """The DiT's weights ``state`` (on any device) as a Q4_K_M-like GGUF file at ``path`` (``kind``:
+    ``q3_mixed_kind`` for the Q3_K_M-like one), as community files are: the released keys, ``general.architecture``
+    ``wan`` (the pack must recognise the DiT by its names)."""
+    return write_gguf(path, state, kind, arch="wan")
 
 
 def _link(source: Path, target: Path) -> None:
@@ -140,9 +144,10 @@ def write_models(models_dir: Path, true_size: bool) -> Path:
     _link(turbo / "vae" / "diffusion_pytorch_model.safetensors", models_dir / "vae" / "flux2-vae.safetensors")
     _link_tree(turbo, models_dir / "diffusers" / BASE)
     write_lora(pipe.transformer, models_dir / "loras" / "ernie-image-turbo-lora.safetensors", 64 if true_size else 4)
-    start = time.perf_counter()
-    gguf_dit = write_gguf_dit(pipe.transformer.state_dict(), models_dir / GGUF_DIT)
-    print(f"{GGUF_DIT}: {gguf_dit.stat().st_size / 1e6:,.1f} MB in {time.perf_counter() - start:.1f} s", flush=True)
+    for name, kind in ((GGUF_DIT, mixed_kind), (GGUF_Q3_DIT, q3_mixed_kind)):
+        start = time.perf_counter()
+        gguf_dit = write_gguf_dit(pipe.transformer.state_dict(), models_dir / name, kind)
+        print(f"{name}: {gguf_dit.stat().st_size / 1e6:,.1f} MB in {time.perf_counter() - start:.1f} s", flush=True)
     (models_dir / _DONE).write_text("ok\n")
     return models_dir
 

@@ -50,14 +50,16 @@ WORKFLOWS = ("ernie_image_turbo", "ernie_image_turbo_single_files", "ernie_image
 # whole from the other twin and put after the model loader (a LoRA: it takes the MODEL the sampler took). The
 # low-VRAM workflow's note gives three: its loader with the LoRA workflow's LoRA, the Turbo workflow with the fp8
 # text encoder (24 GB, bf16 as released) and the PE workflow with its loader's settings; the GGUF workflow's note
-# (it reads the Q4_K_M file e2e_models.py writes) its 8 GB setting, the text encoder as it is, a LoRA, core's tiled
-# decode, and Base (the same random weights: the architecture is the same) at 50 steps, CFG 4.
+# (it reads the Q4_K_M file e2e_models.py writes) its 8 GB setting, the text encoder as it is, a LoRA, the Q3_K_M
+# file, core's tiled decode, and Base (the same random weights: the architecture is the same) at 50 steps, CFG 4.
 DERIVED = {
     "ernie_image_low_vram_lora": ("ernie_image_turbo_lora", {"loader": "ernie_image_low_vram"}),
     "ernie_image_turbo_te_fp8": ("ernie_image_turbo", {"loader": {"text_encoder_weight_dtype": "fp8_e4m3fn"}}),
     "ernie_image_gguf": ("ernie_image_turbo_gguf", {"te": {"weight_dtype": "default"}}),  # 8 GB: the TE on the CPU
     "ernie_image_turbo_gguf_lora": ("ernie_image_turbo_gguf", {"lora": "ernie_image_turbo_lora"}),
     "ernie_image_gguf_lora": ("ernie_image_gguf", {"lora": "ernie_image_turbo_lora"}),
+    "ernie_image_gguf_q3": ("ernie_image_gguf", {
+        "dit": {"model_name": "diffusion_models/ernie-image-turbo-Q3_K_M.gguf"}}),
     "ernie_image_gguf_tiled_decode": ("ernie_image_gguf", {"decode": {  # core's tiled decode, its defaults
         "class_type": "VAEDecodeTiled", "tile_size": 512, "overlap": 64, "temporal_size": 64, "temporal_overlap": 8}}),
     "ernie_image_base_gguf": ("ernie_image_turbo_gguf", {

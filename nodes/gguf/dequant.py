@@ -10,6 +10,8 @@ GPU at sampling time), one layer at a time: the model keeps only the blocks.
   per sub-block (12 bytes), 4-bit quants (Q5_K: a fifth bit in 32 more bytes): ``d * sc * q - dmin * m``.
 - ``Q6_K``: 256 values in 16 sub-blocks of 16, an int8 scale each, an fp16 ``d``, 6-bit quants less 32:
   ``d * sc * q``.
+- ``Q3_K``: 256 values in 16 sub-blocks of 16, a 6-bit scale less 32 each (12 bytes), an fp16 ``d``, 2-bit quants
+  and a third bit in a 32-byte mask, 4 taken off where that bit is 0: ``d * sc * q``.
 
 ``F32``, ``F16`` and ``BF16`` tensors are plain numbers and need no decoding. Any other GGUF type is refused by the
 reader (``UNSUPPORTED_ADVICE``).
@@ -21,13 +23,14 @@ import torch
 
 QK_K = 256
 # type → (values per block, bytes per block), as GGML_QUANT_SIZES says.
-BLOCKS = {"Q8_0": (32, 34), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210)}
+BLOCKS = {"Q8_0": (32, 34), "Q3_K": (QK_K, 110), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210)}
 PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 SUPPORTED = (*BLOCKS, *PLAIN)
 # Where each block keeps its fp16 scales (byte offsets): what must be finite for the block to mean numbers.
-SCALE_OFFSETS = {"Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-UNSUPPORTED_ADVICE = ("The pack reads the GGUF types Q8_0, Q6_K, Q5_K and Q4_K (the Q8_0, Q6_K, Q5_K_M/S and "
-                      "Q4_K_M/S files) and F16, BF16, F32: pick one of those files, or the safetensors file.")
+SCALE_OFFSETS = {"Q8_0": (0,), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+UNSUPPORTED_ADVICE = ("The pack reads the GGUF types Q8_0, Q6_K, Q5_K, Q4_K and Q3_K (the Q8_0, Q6_K, Q5_K_M/S, "
+                      "Q4_K_M/S and Q3_K_M/S/L files) and F16, BF16, F32: pick one of those files, or the safetensors "
+                      "file.")
 # Values decoded per step when eager: the float32 temporaries stay at 64 MiB however large the layer.
 CHUNK_VALUES = 1 << 24
 
@@ -90,7 +93,21 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (scale * quants.reshape(n, 16, 16).float()).reshape(n, QK_K)
 
 
-_DECODE = {"Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    packed = blocks[:, 96:108]  # scales 0-7 in the low, 8-15 in the high nibbles of bytes 0-7; their top 2 bits in
+    low = torch.stack([packed[:, 0:8] & 0x0F, packed[:, 0:8] >> 4], dim=1)  # bytes 8-11, four fields a byte
+    top = torch.stack([(packed[:, 8:12] >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=1)
+    scales = (low.reshape(n, 16) | (top.reshape(n, 16) << 4)).to(torch.int8) - 32
+    quants = blocks[:, 32:96].reshape(n, 2, 32)  # per half of the block: four 2-bit fields of each byte
+    quants = torch.stack([(quants >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=2).reshape(n, 16, 16)
+    mask = blocks[:, 0:32]  # bit j of byte i: value i of the j-th 32; where it is 0 the value is 4 lower
+    lowered = torch.stack([((mask >> j) & 1) ^ 1 for j in range(8)], dim=1).reshape(n, 16, 16) << 2
+    scale = (_f16(blocks, 108) * scales.float()).unsqueeze(-1)
+    return (scale * (quants.to(torch.int8) - lowered.to(torch.int8)).float()).reshape(n, QK_K)
+
+
+_DECODE = {"Q8_0": _q8_0, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
 def dequantize(raw: torch.Tensor, kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
