@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -111,7 +111,8 @@ def true_size_pipeline():
     )
 
 
-def write_gguf_dit(state: Mapping[str, torch.Tensor], path: Path, kind=mixed_kind) -> Path:
+def write_gguf_dit(state: Mapping[str, torch.Tensor], path: Path,
+                   kind: Callable[[str, torch.Tensor], str] = mixed_kind) -> Path:
     """The DiT's weights ``state`` (on any device) as a Q4_K_M-like GGUF file at ``path`` (``kind``:
     ``q3_mixed_kind`` for the Q3_K_M-like one), as community files are: the released keys, ``general.architecture``
     ``wan`` (the pack must recognise the DiT by its names)."""

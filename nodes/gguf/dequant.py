@@ -95,8 +95,10 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
 
 def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    packed = blocks[:, 96:108]  # scales 0-7 in the low, 8-15 in the high nibbles of bytes 0-7; their top 2 bits in
-    low = torch.stack([packed[:, 0:8] & 0x0F, packed[:, 0:8] >> 4], dim=1)  # bytes 8-11, four fields a byte
+    # The 16 scales' low 4 bits: scales 0-7 in the low, 8-15 in the high nibbles of bytes 0-7; their top 2 bits:
+    # bytes 8-11, byte b holding those of scales b, b + 4, b + 8 and b + 12 in its four 2-bit fields.
+    packed = blocks[:, 96:108]
+    low = torch.stack([packed[:, 0:8] & 0x0F, packed[:, 0:8] >> 4], dim=1)
     top = torch.stack([(packed[:, 8:12] >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=1)
     scales = (low.reshape(n, 16) | (top.reshape(n, 16) << 4)).to(torch.int8) - 32
     quants = blocks[:, 32:96].reshape(n, 2, 32)  # per half of the block: four 2-bit fields of each byte
