@@ -46,7 +46,8 @@ WORKFLOWS = ("ernie_image_turbo", "ernie_image_turbo_single_files", "ernie_image
              "ernie_image_base", "ernie_image_cache_compile", "ernie_image_turbo_lora", "ernie_image_low_vram_lora",
              "ernie_image_turbo_gguf")
 # Twins the check makes from another (name: (the twin, {node: what its inputs become: those of the same node in
-# another twin, or these})), for recipes without a shared workflow of their own. A node the twin lacks is taken
+# another twin, or these, a class_type among them putting another node in its place})), for recipes without a
+# shared workflow of their own. A node the twin lacks is taken
 # whole from the other twin and put after the model loader (a LoRA: it takes the MODEL the sampler took). The
 # low-VRAM workflow's note gives three: its loader with the LoRA workflow's LoRA, the Turbo workflow with the fp8
 # text encoder (24 GB, bf16 as released) and the PE workflow with its loader's settings; the GGUF workflow's note
