@@ -56,12 +56,18 @@ def _scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # The bit fields are taken apart with shifts by Python numbers and stacked, not by broadcasting a tensor of shifts:
 # such a tensor made on the GPU at every call would be a host-to-device copy that waits for the GPU.
+def _fields(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Each byte's ``bits``-wide fields, lowest first, stacked along a new ``dim``."""
+    mask = (1 << bits) - 1
+    return torch.stack([(packed >> shift) & mask for shift in range(0, 8, bits)], dim=dim)
+
+
 def _nibbles(quants: torch.Tensor) -> torch.Tensor:
     """128 bytes → 8 sub-blocks of 32 four-bit values: each 32 bytes give a sub-block of low, then one of high
     nibbles."""
     n = quants.shape[0]
     quants = quants.reshape(n, 4, 32)
-    return torch.stack([quants & 0x0F, quants >> 4], dim=2).reshape(n, 8, 32)
+    return _fields(quants, 4, dim=2).reshape(n, 8, 32)
 
 
 def _k_quant(blocks: torch.Tensor, quants: torch.Tensor) -> torch.Tensor:
@@ -78,16 +84,16 @@ def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
 
 def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
     high = blocks[:, 16:48]  # bit j of byte i: the fifth bit of value i of sub-block j
-    fifth = torch.stack([(high >> j) & 1 for j in range(8)], dim=1)
+    fifth = _fields(high, 1, dim=1)
     return _k_quant(blocks, _nibbles(blocks[:, 48:176]) | (fifth << 4))
 
 
 def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     low = blocks[:, 0:128].reshape(n, 2, 64)  # per half of the block: 64 low, then 64 high nibbles
-    low = torch.stack([low & 0x0F, low >> 4], dim=2)
+    low = _fields(low, 4, dim=2)
     high = blocks[:, 128:192].reshape(n, 2, 32)  # per half: four 2-bit fields of each byte, one per 32 values
-    high = torch.stack([(high >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=2)
+    high = _fields(high, 2, dim=2)
     quants = (low.reshape(n, 8, 32) | (high.reshape(n, 8, 32) << 4)).to(torch.int8) - 32
     scale = (_f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()).unsqueeze(-1)
     return (scale * quants.reshape(n, 16, 16).float()).reshape(n, QK_K)
@@ -98,13 +104,13 @@ def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
     # The 16 scales' low 4 bits: scales 0-7 in the low, 8-15 in the high nibbles of bytes 0-7; their top 2 bits:
     # bytes 8-11, byte b holding those of scales b, b + 4, b + 8 and b + 12 in its four 2-bit fields.
     packed = blocks[:, 96:108]
-    low = torch.stack([packed[:, 0:8] & 0x0F, packed[:, 0:8] >> 4], dim=1)
-    top = torch.stack([(packed[:, 8:12] >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=1)
+    low = _fields(packed[:, 0:8], 4, dim=1)
+    top = _fields(packed[:, 8:12], 2, dim=1)
     scales = (low.reshape(n, 16) | (top.reshape(n, 16) << 4)).to(torch.int8) - 32
     quants = blocks[:, 32:96].reshape(n, 2, 32)  # per half of the block: four 2-bit fields of each byte
-    quants = torch.stack([(quants >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=2).reshape(n, 16, 16)
+    quants = _fields(quants, 2, dim=2).reshape(n, 16, 16)
     mask = blocks[:, 0:32]  # bit j of byte i: value i of the j-th 32; where it is 0 the value is 4 lower
-    lowered = torch.stack([((mask >> j) & 1) ^ 1 for j in range(8)], dim=1).reshape(n, 16, 16) << 2
+    lowered = (_fields(mask, 1, dim=1) ^ 1).reshape(n, 16, 16) << 2
     scale = (_f16(blocks, 108) * scales.float()).unsqueeze(-1)
     return (scale * (quants.to(torch.int8) - lowered.to(torch.int8)).float()).reshape(n, QK_K)
 
