@@ -5,12 +5,15 @@ ComfyUI first. For each decode: the peak of allocated GPU memory above the loade
 of 3 after a warm-up). Tiled is what core's ``VAEDecodeTiled`` node runs at its defaults (512 px tiles, 64 px
 overlap); its difference from the whole decode is ``||tiled - whole|| / ||whole||``.
 
+``--history``: what was allocated at the measured whole decode's peak, by the line that allocated it (torch's memory
+history, as the end-to-end check's ``--allocations``). ``--channels-last``: the decoder's weights in that layout.
+
 ``--stages`` adds where the whole decode's peak is: for each stage of the decoder (input conv, the mid block's
 resnets and attention, each up block's resnets, attentions and upsampler, the output norm and conv), the peak it
 allocates above what was allocated when it started and above the decode's start, and the largest three (a stage
 whose peak is far above its output's size holds scratch: a kernel's workspace or an attention matrix).
 
-    cd bench && python3 bench_vae.py [--stages]
+    cd bench && python3 bench_vae.py [--stages] [--history] [--channels-last]
 """
 
 from __future__ import annotations
@@ -19,21 +22,30 @@ import argparse
 import json
 import os
 import re
+import sys
 from functools import partial
 
 import torch
-from common import TRUE_DIT, cuda_time, machine, use_comfyui
+from common import REPO, TRUE_DIT, cuda_time, machine, use_comfyui
+
+sys.path.insert(0, str(REPO))
+from checks.gpu.e2e_worker import allocations_at_peak  # noqa: E402
 
 GIB = 2**30
 
 
-def measure(decode) -> tuple[torch.Tensor, float, float]:
-    """Output, peak GiB above what was allocated before, seconds."""
+def measure(decode, history: dict | None = None) -> tuple[torch.Tensor, float, float]:
+    """Output, peak GiB above what was allocated before, seconds; with ``history``, what was allocated at the peak
+    goes into it."""
     out = decode()  # warm-up (and ComfyUI loads the VAE)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    out = decode()
+    if history is not None:
+        out, at_peak = allocations_at_peak(decode)
+        history.update(at_peak)
+    else:
+        out = decode()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - before) / GIB
     return out, peak, cuda_time(decode, repeats=3)
@@ -81,6 +93,8 @@ def stage_peaks(decoder: torch.nn.Module, decode) -> list[tuple[str, float, floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", action="store_true", help="the whole decode's peak per decoder stage")
+    parser.add_argument("--history", action="store_true", help="what was allocated at the whole decode's peak")
+    parser.add_argument("--channels-last", action="store_true", help="the decoder's weights in channels-last")
     options = parser.parse_args()
     use_comfyui()
     import comfy.model_management
@@ -92,12 +106,16 @@ def main() -> None:
     vae = make_vae(AutoencoderKLFlux2().state_dict(), "random weights")
     latent = torch.randn(1, TRUE_DIT["in_channels"], 64, 64)
     compression = vae.spacial_compression_decode()
-    whole, whole_peak, whole_s = measure(partial(vae.decode, latent))
+    if options.channels_last:
+        vae.first_stage_model.to(memory_format=torch.channels_last)
+    history = {} if options.history else None
+    whole, whole_peak, whole_s = measure(partial(vae.decode, latent), history)
     tiled, tiled_peak, tiled_s = measure(partial(vae.decode_tiled, latent, tile_x=512 // compression,
                                                  tile_y=512 // compression, overlap=64 // compression))
     estimate = vae.memory_used_decode(latent.shape, vae.vae_dtype) / GIB
-    rows = dict(machine=machine(), vae_dtype=str(vae.vae_dtype), comfy_estimate_gib=estimate,
-                whole=dict(peak_gib=whole_peak, s=whole_s),
+    rows = dict(machine=machine(), channels_last=options.channels_last, vae_dtype=str(vae.vae_dtype),
+                comfy_estimate_gib=estimate,
+                whole=dict(peak_gib=whole_peak, s=whole_s, allocations_at_peak=history),
                 tiled=dict(peak_gib=tiled_peak, s=tiled_s,
                            rel_diff=float((tiled.float() - whole.float()).norm() / whole.float().norm())))
     if options.stages:
@@ -114,7 +132,8 @@ def main() -> None:
     print(f"| whole | {whole_peak:.2f} | {whole_s:.3f} | |")
     print(f"| tiled (512 px, overlap 64) | {tiled_peak:.2f} | {tiled_s:.3f} | {rows['tiled']['rel_diff']:.4f} |")
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_vae.json"), "w") as f:
+        name = os.environ.get("BENCH_VAE_NAME", "bench_vae") + ".json"
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(rows, f, indent=1)
 
 

@@ -85,3 +85,33 @@ def test_the_checks_gguf_of_the_dit_is_one_the_pack_reads(tmp_path):
     for tensor in gguf.GGUFReader(str(path)).tensors:
         values = gguf.quants.dequantize(np.array(tensor.data), tensor.tensor_type)
         assert np.isfinite(values).all() and values.size == np.prod(tensors[tensor.name].shape), tensor.name
+
+
+def test_live_at_peak_reads_torchs_memory_history_format():
+    """``--allocations`` on the GPU: a hand-written trace in the format of ``torch.cuda.memory._snapshot()``'s
+    ``device_traces`` (innermost frame first; no CUDA here to record one). The peak is what the blocks allocated
+    during the trace held at once, frees of blocks from before it are ignored, and refusals are counted."""
+    from checks.gpu.e2e_worker import live_at_peak
+
+    def frames(line):
+        return [{"filename": "/x/torch/nn/modules/conv.py", "line": 1, "name": "forward"},
+                {"filename": "/x/comfy/ldm/model.py", "line": line, "name": "decode"},
+                {"filename": "/x/comfy/sd.py", "line": 9, "name": "decode"}]
+
+    mib = 2**20
+    trace = [dict(action="segment_alloc", addr=0, size=64 * mib),
+             dict(action="alloc", addr=1, size=10 * mib, frames=frames(10)),
+             dict(action="free_requested", addr=99, size=50 * mib),  # allocated before the trace
+             dict(action="alloc", addr=2, size=20 * mib, frames=frames(20)),
+             dict(action="oom", addr=0, size=512 * mib, device_free=0),
+             dict(action="alloc", addr=3, size=30 * mib, frames=frames(20)),
+             dict(action="free_requested", addr=2, size=20 * mib),
+             dict(action="free_requested", addr=3, size=30 * mib),
+             dict(action="alloc", addr=4, size=40 * mib, frames=frames(40))]
+    peak = live_at_peak(trace)
+    assert peak["peak_gib"] == round(60 * mib / 2**30, 3)
+    assert peak["reached_by"] == "ldm/model.py:20 decode < comfy/sd.py:9 decode"
+    assert peak["live"] == [dict(where="ldm/model.py:20 decode < comfy/sd.py:9 decode", mib=50.0, blocks=2),
+                            dict(where="ldm/model.py:10 decode < comfy/sd.py:9 decode", mib=10.0, blocks=1)]
+    assert peak["refusals"] == 1 and peak["refused_mib"] == [512]
+    assert peak["peak_reserved_gib"] == round(64 * mib / 2**30, 3)

@@ -505,6 +505,66 @@ def copied_bytes(run) -> tuple[dict, dict[str, int]]:
     return row, dict(moved)
 
 
+def allocations_at_peak(run, device: int = 0) -> tuple[object, dict]:
+    """``run()``'s result, and what was allocated on the GPU when ``run()`` held the most: torch's memory history of the
+    run (the native allocator's; an emulated card has it), read by ``live_at_peak``."""
+    import torch
+
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    try:
+        row = run()
+        trace = torch.cuda.memory._snapshot()["device_traces"][device]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return row, live_at_peak(trace)
+
+
+def _where(frames: list[dict]) -> str:
+    """The innermost two Python lines of an allocation outside torch (the layer or node that asked for it)."""
+    outside = [f for f in frames if "/torch/" not in f["filename"] and f["filename"] != "??"]
+    return " < ".join(f"{'/'.join(Path(f['filename']).parts[-2:])}:{f['line']} {f['name']}" for f in outside[:2])
+
+
+def live_at_peak(trace: list[dict], top: int = 12) -> dict:
+    """From a memory-history trace (``alloc`` / ``free_requested`` events, as torch's allocated statistic counts
+    them; ``segment_alloc`` / ``segment_free``, its reserved memory; ``oom``, an allocation the allocator refused,
+    which callers such as cuDNN's workspace search may catch): the most the blocks allocated during the trace held
+    at once (blocks from before it are not in it), where the allocation that reached it came from, the live blocks
+    then by the line that allocated them (the ``top`` largest), the most reserved above the start, and the refusals."""
+    live: dict[int, int] = {}
+    held = peak = peak_at = reserved = peak_reserved = 0
+    ooms: list[int] = []
+    for index, event in enumerate(trace):
+        action = event["action"]
+        if action == "alloc":
+            live[event["addr"]] = event["size"]
+            held += event["size"]
+            if held > peak:
+                peak, peak_at = held, index
+        elif action == "free_requested" and event["addr"] in live:
+            held -= live.pop(event["addr"])
+        elif action in ("segment_alloc", "segment_free"):
+            reserved += event["size"] if action == "segment_alloc" else -event["size"]
+            peak_reserved = max(peak_reserved, reserved)
+        elif action == "oom":
+            ooms.append(round(event["size"] / 2**20))
+    at_peak: dict[int, dict] = {}
+    for event in trace[:peak_at + 1]:
+        if event["action"] == "alloc":
+            at_peak[event["addr"]] = event
+        elif event["action"] == "free_requested":
+            at_peak.pop(event["addr"], None)
+    groups: dict[str, list[int]] = {}
+    for event in at_peak.values():
+        group = groups.setdefault(_where(event.get("frames", [])), [0, 0])
+        group[0] += event["size"]
+        group[1] += 1
+    largest = sorted(groups.items(), key=lambda item: -item[1][0])[:top]
+    return dict(peak_gib=round(peak / GIB, 3), reached_by=_where(trace[peak_at].get("frames", [])) if trace else "",
+                live=[dict(where=where, mib=round(size / 2**20, 1), blocks=count) for where, (size, count) in largest],
+                peak_reserved_gib=round(peak_reserved / GIB, 3), refused_mib=ooms[:20], refusals=len(ooms))
+
+
 def free(executor, nvml: NvmlPeak | None = None) -> dict:
     """What the server's worker runs for ``POST /free`` (unload models, free memory); GPU memory before and after
     (torch's, and the device's as NVML sees it)."""
@@ -550,6 +610,8 @@ def main() -> None:
     parser.add_argument("--warm-runs", type=int, default=1, help="warm runs per workflow (each a new prompt)")
     parser.add_argument("--copies", action="store_true", help="one more warm run per workflow under the torch "
                         "profiler: the bytes copied host <-> GPU (its time is not a warm time)")
+    parser.add_argument("--allocations", action="store_true", help="one more warm run per workflow under torch's "
+                        "memory history: what was allocated at its peak, by the line that allocated it")
     options = parser.parse_args()
     host = HostMemoryPeaks()  # from the start: reading the models is where a host-RAM peak may be
     core = detect_core(options.comfyui) if options.core == "auto" else options.core
@@ -591,6 +653,10 @@ def main() -> None:
             profiled = variant(graph, len(labels) + 1, options.pe_tokens, options.size, options.base_steps)
             row, moved = copied_bytes(functools.partial(run_prompt, execution, executor, profiled))
             record(path.stem, "copies", dict(row, copied_bytes=moved))
+        if options.allocations and torch.cuda.is_available():
+            traced = variant(graph, len(labels) + 2, options.pe_tokens, options.size, options.base_steps)
+            row, peak = allocations_at_peak(functools.partial(run_prompt, execution, executor, traced))
+            record(path.stem, "allocations", dict(row, allocations_at_peak=peak))
 
 
 if __name__ == "__main__":

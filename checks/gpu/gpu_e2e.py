@@ -199,6 +199,7 @@ def _run_worker(mode: str, args, models: Path, log, deadline: float, workflows: 
     command += ["--size", "256"] if args.tiny else []
     command += ["--base-steps", str(args.base_steps)] if args.base_steps else []
     command += ["--copies"] if args.copies else []
+    command += ["--allocations"] if args.allocations else []
     if args.cold_disk:
         evicted = evict_page_cache(models)
         print(f"{mode} {','.join(workflows)}: {evicted}", flush=True)
@@ -294,6 +295,11 @@ def table(rows: list[dict], core: str = "0.3.75") -> str:
         if moved is not None:  # --copies: one more warm prompt, profiled
             notes.insert(0, "copied per warm prompt: " + ", ".join(
                 f"{d} {moved.get(d, 0) / 1e6:,.0f} MB" for d in ("HtoD", "DtoH", "DtoD")))
+        peak = by_run.get("allocations", {}).get("allocations_at_peak")
+        if peak:  # --allocations: one more warm prompt under torch's memory history
+            notes.insert(0, f"allocated during a prompt at its peak: {peak['peak_gib']} GiB, reached by "
+                         f"{peak['reached_by']}; largest: " + "; ".join(
+                             f"{b['where']} {b['mib']} MiB" for b in peak["live"][:3]))
         slowest = list(by_run.get("warm", {}).get("nodes_s", {}).items())[:3]
         if slowest:  # where a warm prompt's time goes (model moves land in the node that needs the model)
             notes.insert(0, "warm: " + ", ".join(f"{node.split(' ', 1)[-1]} {s:.1f} s" for node, s in slowest))
@@ -329,6 +335,8 @@ def main() -> None:
                         "recipe's host RAM alone), instead of one per mode")
     parser.add_argument("--copies", action="store_true", help="one more warm run per workflow under the torch "
                         "profiler: bytes copied host <-> GPU per warm prompt")
+    parser.add_argument("--allocations", action="store_true", help="one more warm run per workflow under torch's "
+                        "memory history: what was allocated at its peak (the native allocator: emulated cards)")
     parser.add_argument("--cold-disk", action="store_true", help="drop the model files from the page cache before "
                         "each process (first runs as after a reboot)")
     parser.add_argument("--pack", type=Path, default=REPO, help="the pack to install, and its tests/workflows twins "
