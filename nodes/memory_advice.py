@@ -38,7 +38,8 @@ class PackModel:
     needs there). ``fp8_saving``: bytes that fp8 storage of its large linears would free (0: they are one byte
     already). DiT only: ``quantization`` (the loader's input, a key of ``quant.capability.METHODS``),
     ``quantize_to`` (the method that holds its block weights in one byte on its GPU; None where none runs),
-    ``quantize_saving`` (what that frees), ``loads_in_part`` (ComfyUI may load part of it and stream the rest)."""
+    ``quantize_saving`` (what that frees), ``loads_in_part`` (ComfyUI may load part of it and stream the rest),
+    ``gguf_saving`` (what a Q4_K_M GGUF of it would free: 0 for a GGUF DiT)."""
 
     role: str
     size: int
@@ -51,6 +52,7 @@ class PackModel:
     quantize_to: str | None = None
     quantize_saving: int = 0
     loads_in_part: bool = False
+    gguf_saving: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,21 @@ def one_byte_saving(weights: Iterable[torch.Tensor]) -> int:
     return saved
 
 
+# A Q4_K_M GGUF (the community's 4-bit file) mixes Q4_K and Q6_K blocks: the check's file of the 8B DiT holds its
+# linear layers in 4,980 MiB (bench/RESULTS.md), about 5.3 bits a weight; counted here at Q5_K's 176 bytes per 256
+# values (gguf's GGML_QUANT_SIZES), 5.5 bits, so that the saving is not overstated.
+Q4_K_M_RATE = (256, 176)
+
+
+def q4_k_m_bytes(weight: torch.Tensor) -> int | None:
+    """What a 2-D weight takes in a Q4_K_M GGUF (at its average rate); None where its rows are not whole 256-value
+    blocks (GGUF writers keep such a weight in 16 bits)."""
+    values, size = Q4_K_M_RATE
+    if weight.ndim != 2 or weight.shape[-1] % values:
+        return None
+    return weight.nelement() // values * size
+
+
 def ministral_choices(role: str, language_model: torch.nn.Module) -> PackModel:
     """The text encoder or the PE (a Ministral 3 model) as it is held: its bytes, its decoder linears' dtype (fp8
     once ``fp8_linear`` holds them; the PE's stacked gate and up ones too) and what fp8 would free."""
@@ -132,7 +149,8 @@ def format_bytes(n: int) -> str:
 
 
 # The steps, cheapest for the user first: a cost in quality that is hard to see (fp8 text encoder and PE, fp8 or
-# int8 DiT: faster on FP8 tensor cores), then time only when prompts change (the text encoder on the CPU), then time at
+# int8 DiT: faster on FP8 tensor cores), then another file (a 4-bit GGUF DiT: as fast on 8 and 12 GB cards as the
+# FP8 one on the whole GPU, within 2x), then time only when prompts change (the text encoder on the CPU), then time at
 # every prompt (the PE on the CPU), then time at every step (no Cache-DiT, a streamed DiT), and last a different
 # picture (a smaller image). ``RANK`` below lists them in that order.
 
@@ -163,6 +181,16 @@ def _dit_quantize(s: Shortage) -> Step | None:
     from_plain = " with weight_dtype default" if dit.weight_dtype.startswith("fp8") else ""
     return Step(DIT, f"set the DiT loader's quantization to {dit.quantize_to}{from_plain}: its block weights in one "
                 "byte each, loaded whole", saving)
+
+
+def _dit_gguf(s: Shortage) -> Step | None:
+    dit = s.model(DIT)
+    if dit is None or not dit.held or not dit.gguf_saving or not dit.size:
+        return None
+    # A GGUF DiT loads in part as the bf16 one does: ComfyUI would hold the same share of it.
+    return Step(DIT, "load a Q4_K_M GGUF of the DiT instead (a .gguf file in models/diffusion_models/, in the "
+                "ERNIE-Image DiT Loader, quantization none; the ernie_image_turbo_gguf workflow): its block weights "
+                "at 4 to 6 bits, decoded as each layer runs", dit.held * dit.gguf_saving // dit.size)
 
 
 def _off_the_gpu(role: str, words: str) -> Callable[[Shortage], Step | None]:
@@ -212,8 +240,8 @@ def _smaller_image(s: Shortage) -> Step | None:
 
 
 RANK: tuple[Callable[[Shortage], Step | list[Step] | None], ...] = (
-    _text_encoder_fp8, _pe_fp8, _dit_quantize, _text_encoder_cpu, _pe_cpu, _bypass_accelerators, _dit_in_part,
-    _smaller_image,
+    _text_encoder_fp8, _pe_fp8, _dit_quantize, _dit_gguf, _text_encoder_cpu, _pe_cpu, _bypass_accelerators,
+    _dit_in_part, _smaller_image,
 )
 
 

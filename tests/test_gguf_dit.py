@@ -175,3 +175,23 @@ def test_compiled_it_samples_as_eager_and_blocks_with_a_lora_stay_eager(tmp_path
                                    rtol=1e-4, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == graphs, "a LoRA's strength was compiled into a graph"
     torch.testing.assert_close(sample(apply_compile(plain, "default"), **turbo), eager, rtol=1e-4, atol=1e-4)
+
+
+def test_the_out_of_memory_advice_offers_gguf_to_a_plain_dit_only(tmp_path):
+    """``memory_choices`` (what the advice reads): a bf16 DiT whose block rows are whole 256-value blocks, as the
+    released one's, would save its block bytes less Q4_K_M's 176 per 256 values; a GGUF DiT saves nothing more."""
+    from diffusers import ErnieImageTransformer2DModel
+
+    from comfyui_ernie_image.nodes.memory_advice import q4_k_m_bytes
+
+    config = dict(hidden_size=256, num_attention_heads=2, num_layers=2, ffn_hidden_size=512, in_channels=128,
+                  out_channels=128, text_in_dim=512, rope_axes_dim=(32, 48, 48))
+    torch.manual_seed(0)
+    state = {k: v.to(torch.bfloat16) for k, v in ErnieImageTransformer2DModel(**config).state_dict().items()}
+    plain = make_model_patcher(build_diffusion_model(state, config, torch.bfloat16)).model
+    blocks = [m.weight for name, m in plain.diffusion_model.named_modules()
+              if isinstance(m, torch.nn.Linear) and name.startswith("layers.")]
+    expected = sum(w.nbytes - q4_k_m_bytes(w) for w in blocks)
+    assert plain.memory_choices().gguf_saving == expected > 0.6 * sum(w.nbytes for w in blocks)
+    path = write_gguf(tmp_path / "ernie-image-tiny-Q4_K_M.gguf", tiny_dit_state(), mixed_kind)
+    assert _gguf_model(path).model.memory_choices().gguf_saving == 0

@@ -17,6 +17,7 @@ from comfyui_ernie_image.nodes.memory_advice import (
     format_bytes,
     ministral_choices,
     one_byte_saving,
+    q4_k_m_bytes,
     steps,
 )
 from comfyui_ernie_image.nodes.pe.local.fused import fuse_mlp_projections
@@ -167,3 +168,25 @@ def test_one_byte_savings_come_from_the_tensors():
     assert one_byte_saving([torch.zeros(4, 8, dtype=torch.float32)]) == 4 * 8 * 3 - 4 * 4
     assert one_byte_saving([bf16.to(torch.float8_e4m3fn), torch.zeros(8, dtype=torch.bfloat16)]) == 0
     assert (format_bytes(3 * GiB), format_bytes(5 * 2**20), format_bytes(512)) == ("3.0 GiB", "5.0 MiB", "0.5 KiB")
+
+
+def test_a_dit_that_is_not_gguf_is_offered_a_q4_k_m_file_before_the_cpu():
+    """The issue's 8 GB card: the FP8 DiT held whole (7.7 GB) beside nothing else left to move: a Q4_K_M GGUF of it
+    (streamable, 4 to 6 bits) comes before the text encoder on the CPU and before streaming the fp8 one; a share of
+    it for a DiT ComfyUI holds in part; never for a GGUF DiT."""
+    fp8 = dit("fp8_per_row", held=8 * GiB, gguf_saving=3 * GiB)
+    message = advice(sampling(0, 2 * GiB, fp8, text_encoder("fp8_e4m3fn", held=4 * GiB)))
+    assert ("Next step that fits (2.0 GiB missing): load a Q4_K_M GGUF of the DiT instead (a .gguf file in "
+            "models/diffusion_models/, in the ERNIE-Image DiT Loader, quantization none; the ernie_image_turbo_gguf "
+            "workflow): its block weights at 4 to 6 bits, decoded as each layer runs (frees about 3.0 GiB).") in message
+    assert "text encoder's device to cpu" not in message
+    share = next(s for s in steps(sampling(0, 1 * GiB, dit(held=12 * GiB, gguf_saving=10 * GiB))) if "GGUF" in s.words)
+    assert share.saving == 12 * GiB * 10 // 16  # 12 of its 16 GiB held: the same share of what GGUF saves
+    gguf = dit(weight_dtype="bf16", held=5 * GiB)  # a GGUF DiT says it saves nothing (memory_choices)
+    assert not any("GGUF" in w for w in words(sampling(0, 1 * GiB, gguf)))
+
+
+def test_q4_k_m_bytes_count_whole_256_value_rows_at_5_5_bits():
+    assert q4_k_m_bytes(torch.empty(4096, 4096, dtype=torch.bfloat16)) == 4096 * 4096 // 256 * 176
+    assert q4_k_m_bytes(torch.empty(128, 64)) is None  # rows not whole blocks: a GGUF writer keeps them in 16 bits
+    assert q4_k_m_bytes(torch.empty(4096)) is None

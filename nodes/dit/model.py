@@ -22,8 +22,8 @@ from ..host.model import FLOW, BaseModel, CONDConstant, CONDRegular, Flux2Latent
 from ..host.oom import sampling_advice
 from ..host.patchers import WholeModelPatcher, dit_patcher_class, out_of_memory
 from ..host.sampling import run_diffusion_model
-from ..host.sizes import module_bytes
-from ..memory_advice import DIT, PackModel, dtype_name, one_byte_saving
+from ..host.sizes import module_bytes, tensor_bytes
+from ..memory_advice import DIT, PackModel, dtype_name, one_byte_saving, q4_k_m_bytes
 from .attention import say_unapplied_patches
 from .dit import ErnieImageDiT
 from .precision import Precision
@@ -131,11 +131,15 @@ class ErnieImageModel(BaseModel):
         blocks = [m.weight for name, m in dit.named_modules()
                   if isinstance(m, torch.nn.Linear) and name.startswith("layers.")]
         # A GGUF DiT's blocks are quantized already (4 to 8 bits): no fp8 or quantization step saves anything there.
-        saving = 0 if getattr(dit, "gguf_types", None) else one_byte_saving(blocks)
+        gguf = getattr(dit, "gguf_types", None)
+        saving = 0 if gguf else one_byte_saving(blocks)
+        as_gguf = [(tensor_bytes(w), q4_k_m_bytes(w)) for w in blocks]
+        gguf_saving = 0 if gguf else sum(max(now - q, 0) for now, q in as_gguf if q is not None)
         storage = getattr(getattr(dit, "precision", None), "storage", None) or self.get_dtype()
         return PackModel(DIT, module_bytes(dit), dtype_name(storage), fp8_saving=saving,
                          quantization=getattr(dit, "quantization", "none"),
-                         quantize_to=getattr(dit, "quantize_to", None), quantize_saving=saving)
+                         quantize_to=getattr(dit, "quantize_to", None), quantize_saving=saving,
+                         gguf_saving=gguf_saving)
 
     def extra_conds(self, **kwargs) -> dict:
         cross_attn = kwargs.get("cross_attn")
