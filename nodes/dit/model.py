@@ -133,8 +133,8 @@ class ErnieImageModel(BaseModel):
         # A GGUF DiT's blocks are quantized already (4 to 8 bits): no fp8 or quantization step saves anything there.
         gguf = getattr(dit, "gguf_types", None)
         saving = 0 if gguf else one_byte_saving(blocks)
-        as_gguf = [(tensor_bytes(w), q4_k_m_bytes(w)) for w in blocks]
-        gguf_saving = 0 if gguf else sum(max(now - q, 0) for now, q in as_gguf if q is not None)
+        gguf_saving = 0 if gguf else sum(max(tensor_bytes(w) - q, 0) for w in blocks
+                                         if (q := q4_k_m_bytes(w)) is not None)
         storage = getattr(getattr(dit, "precision", None), "storage", None) or self.get_dtype()
         return PackModel(DIT, module_bytes(dit), dtype_name(storage), fp8_saving=saving,
                          quantization=getattr(dit, "quantization", "none"),
