@@ -1,6 +1,7 @@
 """GGUF DiT files, good and hostile, through the DiT loader node a user picks them with: listed under the one
 model-choice grammar, loaded by their tensor names whatever ``general.architecture`` says, and each bad one refused
-in words (the file, the first bad tensor, what to do) before any weight is copied.
+in words (the file, the first bad tensor, what to do): a bad header before any weight is read, a bad value
+before the model is given out.
 
 The files are written with the ``gguf`` package (``scripts.gguf_writer``), the hostile headers byte by byte. Loads
 that a reader without bounds would turn into an endless loop or a memory bomb run in a capped child process with a
@@ -16,6 +17,7 @@ import struct
 import pytest
 import torch
 
+from comfyui_ernie_image.nodes.dit.gguf import build_gguf_dit, read_gguf_dit
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.host.gguf_layers import GGUFModelPatcher
 from comfyui_ernie_image.nodes.loaders import DIT_MODELS, ErnieImageDiTLoader
@@ -159,6 +161,16 @@ def test_a_truncated_or_foreign_file_is_refused_in_words(placed, state, tiny_mod
     renamed.write_bytes(tiny_models["single_file"].read_bytes())
     with pytest.raises(ErnieImageError, match=r"it declares no GGUF signature"):
         load("diffusion_models/safetensors-renamed.gguf")
+
+
+def test_a_file_cut_short_after_its_header_was_read_is_refused_in_words(placed, state):
+    """The file changes between the header's checks and the reading of its data (a download still running, say)."""
+    path = placed_gguf(placed, "cut-later.gguf", state)
+    tensors, config = read_gguf_dit(path)
+    replace_bytes(path, path.read_bytes()[:-5000])
+    with pytest.raises(ErnieImageError, match=r"Cannot read .*cut-later\.gguf as a GGUF file: it declares \d+ bytes "
+                       r"of data at byte \d+, but it ends after \d+\. The file is damaged"):
+        build_gguf_dit(tensors, config, torch.float32)
 
 
 def test_an_original_shape_that_does_not_fit_is_refused(placed, state):

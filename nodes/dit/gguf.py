@@ -4,9 +4,10 @@ Community ERNIE-Image GGUFs are made with city96's converter from the released s
 are the released keys (bare, or under ComfyUI's ``model.diffusion_model.``). They are recognised by those names,
 never by ``general.architecture``: that converter has no ERNIE-Image entry, and the files say ``flux`` or ``wan``.
 
-Every check runs on the header before any weight is copied: the names and shapes against the DiT built from the
+Every check of the header runs before any weight is read: the names and shapes against the DiT built from the
 architecture they imply (blocks counted and capped first, as for safetensors: ``weights.py``, ``structure.py``),
-then the types, then the values (every block's fp16 scales finite). Nothing missing is filled in.
+then the types. Each tensor's values are checked as it is read (every block's fp16 scales finite), before the model
+is given out. Nothing missing is filled in.
 
 Linear layers keep the file's blocks and decode them as they run (``host/gguf_layers.py``); everything else (norms,
 biases, the patch embedding) is decoded once here into the compute dtype, which ``weight_dtype`` picks.
@@ -22,7 +23,7 @@ import torch
 
 from ..errors import ErnieImageError
 from ..gguf.dequant import BLOCKS, SUPPORTED, UNSUPPORTED_ADVICE, dequantize
-from ..gguf.reader import GGUFTensor, first_bad_value, read_gguf, tensor_data
+from ..gguf.reader import GGUFTensor, first_bad_value, read_gguf
 from ..host import attention
 from ..host.gguf_layers import GGUFOperations, held_types, weight_shapes
 from ..host.sizes import module_bytes
@@ -64,7 +65,7 @@ def gguf_dtype(weight_dtype: str, quantization: str) -> torch.dtype:
 
 def read_gguf_dit(path: Path) -> tuple[dict[str, GGUFTensor], dict]:
     """The DiT's tensors (released keys) and architecture from the GGUF file ``path``, once its header is known to
-    hold exactly an ERNIE-Image DiT in types the pack reads, with finite values."""
+    hold exactly an ERNIE-Image DiT in types the pack reads. No data is read here."""
     file = read_gguf(path)
     source = str(path)
     prefix = next((p for p in PREFIXES if p + MARKER_KEY in file.tensors), "")
@@ -80,11 +81,6 @@ def read_gguf_dit(path: Path) -> tuple[dict[str, GGUFTensor], dict]:
         more = f" (and {len(odd) - 1} more tensors in types it cannot read)" if len(odd) > 1 else ""
         raise ErnieImageError(f"{source} stores {odd[0]} as {tensors[odd[0]].kind}{more}, a GGUF type this pack does "
                               f"not read. {UNSUPPORTED_ADVICE}")
-    for name in sorted(tensors, key=natural):
-        bad = first_bad_value(name, tensors[name])
-        if bad is not None:
-            raise ErnieImageError(f"{source}: {bad}; a weight must be made of finite numbers (this one would make a "
-                                  f"black or garbage image). The file is damaged. {ADVICE}")
     if file.architecture not in (None, "ernie_image", "ernie-image"):
         logging.info("ERNIE-Image: %s says general.architecture %r; its tensors are ERNIE-Image's, so it loads as "
                      "the ERNIE-Image DiT", path, file.architecture)
@@ -94,15 +90,21 @@ def read_gguf_dit(path: Path) -> tuple[dict[str, GGUFTensor], dict]:
 @builds_weights
 def build_gguf_dit(tensors: dict[str, GGUFTensor], config: dict, dtype: torch.dtype) -> ErnieImageDiffusionModel:
     """The DiT with ``config``'s architecture computing in ``dtype``: its linear layers hold the file's blocks, every
-    other tensor is decoded into ``dtype``. ``tensors`` are checked already (``read_gguf_dit``)."""
+    other tensor is decoded into ``dtype``. ``tensors``' header is checked already (``read_gguf_dit``); their values
+    are checked here as each is read."""
     with torch.device("meta"):
         model = ErnieImageDiffusionModel(**config, dtype=dtype, operations=GGUFOperations,
                                          attention=AttentionPlan(*attention.core_attention_choice()))
     linear = {f"{name}.weight": module for name, module in model.named_modules()
               if isinstance(module, torch.nn.Linear)}
     plain = {}
-    for key, tensor in tensors.items():
-        data = tensor_data(tensor)
+    for key in sorted(tensors, key=natural):
+        tensor = tensors[key]
+        data = tensor.read()
+        bad = first_bad_value(key, tensor.kind, data)
+        if bad is not None:
+            raise ErnieImageError(f"{tensor.path}: {bad}; a weight must be made of finite numbers (this one would "
+                                  f"make a black or garbage image). The file is damaged. {ADVICE}")
         if tensor.kind in BLOCKS and key in linear:
             linear[key].hold(data, tensor.kind, tensor.shape)
         elif tensor.kind in BLOCKS:

@@ -1,24 +1,26 @@
-"""Read a GGUF model file with the ``gguf`` package, as names, types, shapes and memory-mapped data (engine: no
-ComfyUI here; ``gguf`` and numpy).
+"""Read a GGUF model file with the ``gguf`` package, as names, types, shapes and where each tensor's bytes lie
+(engine: no ComfyUI here; ``gguf`` and torch).
 
-The header is walked with bounds first (``header.py``); then ``gguf.GGUFReader`` maps the file. Nothing is copied
-until the caller has checked the names and shapes (``tensor_data``). Shapes come back in torch's order: GGUF keeps
-ggml's (innermost first), and city96's converter stores tensors whose rows do not fill whole 256-value blocks
-flattened to rows of 256, with the true shape in a ``comfy.gguf.orig_shape.<name>`` field (ComfyUI-GGUF's
+The header is walked with bounds first (``header.py``); then ``gguf.GGUFReader`` parses it. Nothing is read of the
+data until the caller has checked the names and shapes (``GGUFTensor.read``). Shapes come back in torch's order:
+GGUF keeps ggml's (innermost first), and city96's converter stores tensors whose rows do not fill whole 256-value
+blocks flattened to rows of 256, with the true shape in a ``comfy.gguf.orig_shape.<name>`` field (ComfyUI-GGUF's
 tools/convert.py); both are read here.
 
-Values are checked before anything is kept: every block's fp16 scales, and every plain tensor, must be finite.
+A tensor's bytes are read into memory of their own, not through the reader's memory map: every page of a mapping
+that was touched counts in the process's resident memory until the whole mapping is gone, so a file checked and
+copied through it was held twice at the load's peak (8 GB card, Q4_K_M: 16.5 GiB of host RAM, 11.0 of it mapped
+files; bench/RESULTS.md, session 18). Values are checked before anything is kept (``first_bad_value``): every block's
+fp16 scales, and every plain tensor, must be finite.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..errors import ErnieImageError
@@ -33,16 +35,34 @@ _NO_PACKAGE = ("Reading GGUF files needs the gguf package, which is not installe
 
 @dataclass(frozen=True)
 class GGUFTensor:
-    """One tensor of a GGUF file: its type's name (``Q4_K``, ``F16``, …), its shape in torch's order, and its data
-    as the file holds it (memory-mapped, not copied)."""
+    """One tensor of a GGUF file: its type's name (``Q4_K``, ``F16``, …), its shape in torch's order, and where its
+    bytes lie in the file (checked against the file's size by the header walk)."""
 
     kind: str
     shape: tuple[int, ...]
-    data: np.ndarray
+    path: Path
+    offset: int
+    nbytes: int
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def read(self) -> torch.Tensor:
+        """The tensor in memory of its own: a plain tensor as numbers of its shape and type, a quantized one as its
+        blocks (uint8, one dimension)."""
+        data = torch.empty(self.nbytes, dtype=torch.uint8)
+        try:
+            with open(self.path, "rb") as file:
+                file.seek(self.offset)
+                read = file.readinto(data.numpy())
+        except OSError as error:
+            raise _unreadable(self.path, error) from error
+        if read != self.nbytes:
+            raise _damaged(self.path, f"{self.nbytes} bytes of data at byte {self.offset}, but it ends after {read}")
+        if self.kind in PLAIN:
+            return data.view(PLAIN[self.kind]).reshape(self.shape)
+        return data
 
 
 @dataclass(frozen=True)
@@ -69,6 +89,10 @@ def _gguf_version() -> str:
 def _damaged(path: Path, why: str) -> ErnieImageError:
     return ErnieImageError(f"Cannot read {path} as a GGUF file: it declares {why}. The file is damaged or not a GGUF "
                            "model file (an interrupted download?): download it again.")
+
+
+def _unreadable(path: Path, error: OSError) -> ErnieImageError:
+    return ErnieImageError(f"Cannot read {path} ({error}). Check the file, or download it again.")
 
 
 def _string(field) -> str | None:
@@ -104,7 +128,7 @@ def read_gguf(path: Path) -> GGUFFile:
     except HeaderError as error:
         raise _damaged(path, str(error)) from None
     except OSError as error:
-        raise ErnieImageError(f"Cannot read {path} ({error}). Check the file, or download it again.") from error
+        raise _unreadable(path, error) from error
     unknown = next((t for t in header.tensors if t.type_id not in sizes), None)
     if unknown is not None:
         raise ErnieImageError(
@@ -122,42 +146,24 @@ def read_gguf(path: Path) -> GGUFFile:
     for tensor in reader.tensors:
         count = math.prod(int(d) for d in tensor.shape)
         shape = _orig_shape(reader, tensor.name, count, path) or tuple(int(d) for d in reversed(tensor.shape))
-        tensors[tensor.name] = GGUFTensor(tensor.tensor_type.name, shape, tensor.data)
+        tensors[tensor.name] = GGUFTensor(tensor.tensor_type.name, shape, path, int(tensor.data_offset),
+                                          int(tensor.n_bytes))
     return GGUFFile(path, _string(reader.get_field("general.architecture")), tensors)
 
 
-def first_bad_value(name: str, tensor: GGUFTensor) -> str | None:
-    """Why ``tensor``'s numbers cannot be trusted (a NaN or infinite block scale or value), or None. Reads the
-    mapped file; allocates only a tensor's scales (a plain tensor: a flag per value)."""
-    if tensor.kind in BLOCKS:
-        blocks = tensor.data.reshape(-1, BLOCKS[tensor.kind][1])
-        for offset in SCALE_OFFSETS[tensor.kind]:
-            scales = np.ascontiguousarray(blocks[:, offset:offset + 2]).view(np.float16)
-            bad = ~np.isfinite(scales)
+def first_bad_value(name: str, kind: str, data: torch.Tensor) -> str | None:
+    """Why the numbers of tensor ``name`` of GGUF type ``kind``, read as ``data`` (``GGUFTensor.read``), cannot be
+    trusted (a NaN or infinite block scale or value), or None."""
+    if kind in BLOCKS:
+        blocks = data.reshape(-1, BLOCKS[kind][1])
+        for offset in SCALE_OFFSETS[kind]:
+            scales = blocks[:, offset:offset + 2].contiguous().view(torch.float16)
+            bad = ~torch.isfinite(scales)
             if bad.any():
-                block = int(np.argmax(bad.any(axis=1)))
+                block = int(bad.any(dim=1).nonzero()[0])
                 return (f"the fp16 block scale at byte {offset} of block {block} of {name} is "
                         f"{float(scales[block, 0])}")
         return None
-    values = _plain(tensor)
-    if not bool(torch.isfinite(values).all()):
+    if not bool(torch.isfinite(data).all()):
         return f"{name} holds NaN or infinite values"
     return None
-
-
-def _plain(tensor: GGUFTensor) -> torch.Tensor:
-    """A plain tensor's numbers, as a torch view of the mapped file (read-only: only read from)."""
-    with warnings.catch_warnings():  # torch warns that the mapped array is read-only; nothing writes to it
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        data = torch.from_numpy(tensor.data)
-    if tensor.kind == "BF16":  # the gguf package has no bfloat16: its bytes
-        data = data.view(torch.bfloat16)
-    return data.reshape(tensor.shape)
-
-
-def tensor_data(tensor: GGUFTensor) -> torch.Tensor:
-    """The tensor in memory of its own (a copy of the file's bytes, so the file is closed once read): a plain
-    tensor as numbers of its shape and type, a quantized one as its blocks (uint8, one dimension)."""
-    if tensor.kind in PLAIN:
-        return _plain(tensor).clone()
-    return torch.from_numpy(np.array(tensor.data, copy=True).reshape(-1))
