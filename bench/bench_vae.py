@@ -13,7 +13,7 @@ resnets and attention, each up block's resnets, attentions and upsampler, the ou
 allocates above what was allocated when it started and above the decode's start, and the largest three (a stage
 whose peak is far above its output's size holds scratch: a kernel's workspace or an attention matrix).
 
-    cd bench && python3 bench_vae.py [--stages] [--history] [--channels-last]
+    cd bench && python3 bench_vae.py [--stages] [--history] [--channels-last] [--slab-mib 0,32,128]
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ GIB = 2**30
 
 def measure(decode, history: dict | None = None) -> tuple[torch.Tensor, float, float]:
     """Output, peak GiB above what was allocated before, seconds; with ``history``, what was allocated at the peak
-    goes into it."""
+    goes into it. Also the peak of torch's reserved memory above its start, from an emptied cache (``RESERVED``)."""
     out = decode()  # warm-up (and ComfyUI loads the VAE)
     torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    torch.cuda.empty_cache()
+    before, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
     if history is not None:
         out, at_peak = allocations_at_peak(decode)
@@ -48,7 +49,11 @@ def measure(decode, history: dict | None = None) -> tuple[torch.Tensor, float, f
         out = decode()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - before) / GIB
+    RESERVED.append((torch.cuda.max_memory_reserved() - reserved) / GIB)
     return out, peak, cuda_time(decode, repeats=3)
+
+
+RESERVED: list[float] = []
 
 
 # The decoder's parts in the order its forward calls them, none inside another: between them runs only the final
@@ -89,12 +94,32 @@ def stage_peaks(decoder: torch.nn.Module, decode) -> list[tuple[str, float, floa
     return peaks
 
 
+def slab_sizes(vae, latent: torch.Tensor, whole: torch.Tensor, sizes: list[int]) -> list[dict]:
+    """The whole decode with each slab size: peaks (allocated, reserved from an emptied cache), time, and the
+    largest difference from the first decode's image."""
+    from comfyui_ernie_image.nodes.host import vae as host_vae
+
+    default, found = host_vae.SLAB_BYTES, []
+    try:
+        for mib in sizes:
+            host_vae.SLAB_BYTES = mib * 2**20 if mib else 2**62
+            out, peak, seconds = measure(partial(vae.decode, latent))
+            found.append(dict(slab_mib=mib, peak_gib=round(peak, 3), reserved_gib=round(RESERVED[-1], 3),
+                              s=round(seconds, 4), max_abs_diff=float((out.float() - whole.float()).abs().max())))
+            print(found[-1], flush=True)
+    finally:
+        host_vae.SLAB_BYTES = default
+    return found
+
+
 @torch.inference_mode()  # as ComfyUI's executor runs every node: no autograd graph keeps activations
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", action="store_true", help="the whole decode's peak per decoder stage")
     parser.add_argument("--history", action="store_true", help="what was allocated at the whole decode's peak")
     parser.add_argument("--channels-last", action="store_true", help="the decoder's weights in channels-last")
+    parser.add_argument("--slab-mib", help="comma-separated: the whole decode again with the decoder's convolutions "
+                        "in slabs of at most this many MiB (nodes/host/vae.SLAB_BYTES; 0: no slabs)")
     options = parser.parse_args()
     use_comfyui()
     import comfy.model_management
@@ -115,7 +140,7 @@ def main() -> None:
     estimate = vae.memory_used_decode(latent.shape, vae.vae_dtype) / GIB
     rows = dict(machine=machine(), channels_last=options.channels_last, vae_dtype=str(vae.vae_dtype),
                 comfy_estimate_gib=estimate,
-                whole=dict(peak_gib=whole_peak, s=whole_s, allocations_at_peak=history),
+                whole=dict(peak_gib=whole_peak, reserved_gib=RESERVED[0], s=whole_s, allocations_at_peak=history),
                 tiled=dict(peak_gib=tiled_peak, s=tiled_s,
                            rel_diff=float((tiled.float() - whole.float()).norm() / whole.float().norm())))
     if options.stages:
@@ -123,8 +148,10 @@ def main() -> None:
         rows["stages"] = [dict(stage=n, peak_gib=round(p, 3), above_decode_start_gib=round(d, 3),
                                output_gib=round(o, 3)) for n, p, d, o in peaks]
         print("largest stage peaks (GiB above the stage's start / above the decode's start; its output's size):")
-        for name, peak, whole_peak, out in sorted(peaks, key=lambda row: -row[1])[:3]:
-            print(f"  {name}: {peak:.2f} / {whole_peak:.2f} (output {out:.2f})")
+        for name, peak, above_start, out in sorted(peaks, key=lambda row: -row[1])[:3]:
+            print(f"  {name}: {peak:.2f} / {above_start:.2f} (output {out:.2f})")
+    if options.slab_mib:
+        rows["slabs"] = slab_sizes(vae, latent, whole, [int(n) for n in options.slab_mib.split(",")])
     comfy.model_management.unload_all_models()
     print(json.dumps(rows, indent=1))
     print(f"\n{machine()}, VAE in {vae.vae_dtype}; ComfyUI's estimate for the decode: {estimate:.2f} GiB\n")
