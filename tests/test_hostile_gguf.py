@@ -163,13 +163,17 @@ def test_a_truncated_or_foreign_file_is_refused_in_words(placed, state, tiny_mod
         load("diffusion_models/safetensors-renamed.gguf")
 
 
-def test_a_file_cut_short_after_its_header_was_read_is_refused_in_words(placed, state):
+def test_a_file_cut_short_or_gone_after_its_header_was_read_is_refused_in_words(placed, state):
     """The file changes between the header's checks and the reading of its data (a download still running, say)."""
     path = placed_gguf(placed, "cut-later.gguf", state)
     tensors, config = read_gguf_dit(path)
     replace_bytes(path, path.read_bytes()[:-5000])
     with pytest.raises(ErnieImageError, match=r"Cannot read .*cut-later\.gguf as a GGUF file: it declares \d+ bytes "
                        r"of data at byte \d+, but it ends after \d+\. The file is damaged"):
+        build_gguf_dit(tensors, config, torch.float32)
+    path.unlink()
+    with pytest.raises(ErnieImageError, match=r"Cannot read .*cut-later\.gguf \(\[Errno 2\] No such file or directory"
+                       r".*\)\. Check the file, or download it again\."):
         build_gguf_dit(tensors, config, torch.float32)
 
 

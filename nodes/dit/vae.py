@@ -18,13 +18,13 @@ from ..model_files import builds_weights, read_safetensors
 # which shifts every decoded latent channel whose running variance is small.
 TRAINED_BN_EPS = 1e-5
 # What a whole decode of one 1024² image (a 64×64 Flux.2 latent) needs beside the VAE's weights, in bf16: its
-# activations peak at 1.25 GiB (bench/vae_activation_peak.py); plus 30 %. On the GPU the decode's peak is 2.13 GiB
-# over its start, in ComfyUI's executor (the whole H200, emulated 8 and 12 GB cards) as in bench/bench_vae.py (9 of
-# 10 processes): the last Upsample's convolution (256 channels at 1024²) holds its upsampled input (0.5 GiB), its
-# output (0.5) and 1 GiB allocated inside the convolution call (bench/RESULTS.md, session 20). Yet no decode ran out
-# of memory at this estimate on emulated 4 to 24 GB cards; at 2.35 ComfyUI unloaded the text encoder before every
-# decode on 12 GB (warm 1.50 s became 2.7-4.2 s) and part of the DiT on 8 GB (session 18). Core's estimate for this
-# VAE is 4.25 GiB, which pushed a resident DiT or text encoder off a 16 or 24 GB card for every decode.
+# activations peak at 1.25 GiB (bench/vae_activation_peak.py); plus 30 %. On the GPU, with the decoder's convolutions
+# in slabs of rows (host/vae.py), the decode peaks 1.55 GiB over its start, in ComfyUI's executor (emulated 8 and 12
+# GB cards) as in bench/bench_vae.py: the first full-size ResnetBlock, whose input, normalised input and output are
+# held at once (bench/RESULTS.md, session 21). Whole convolutions took 2.13 GiB, 1 GiB of it scratch inside the last
+# Upsample's convolution call, over this estimate; at 2.35 ComfyUI unloaded the text encoder before every decode on
+# 12 GB (warm 1.50 s became 2.7-4.2 s) and part of the DiT on 8 GB (session 18). Core's estimate for this VAE is
+# 4.25 GiB, which pushed a resident DiT or text encoder off a 16 or 24 GB card for every decode.
 DECODE_BYTES_1024_BF16 = int(1.64 * 2**30)
 LATENT_PIXELS_1024 = 64 * 64
 

@@ -16,7 +16,9 @@ import math
 import comfy.sd
 import torch
 
-# A convolution whose input and output rows together exceed this runs in slabs that each stay under it.
+# A convolution whose input and output rows together exceed this runs in slabs that each stay under it. A 1024²
+# decode on the H200 (bench_vae --slab-mib, session 21): whole convolutions 2.13 GiB, 0.092 s; slabs of 128 MiB 1.55
+# GiB, 0.099 s; of 32 MiB 1.33 GiB, 0.108 s (the rest of the peak is the blocks' own tensors).
 SLAB_BYTES = 128 * 2**20
 
 
