@@ -10,8 +10,8 @@ tools/convert.py); both are read here.
 A tensor's bytes are read into memory of their own, not through the reader's memory map: every page of a mapping
 that was touched counts in the process's resident memory until the whole mapping is gone, so a file checked and
 copied through it was held twice at the load's peak (8 GB card, Q4_K_M: 16.5 GiB of host RAM, 11.0 of it mapped
-files; bench/RESULTS.md, session 18). Values are checked before anything is kept (``first_bad_value``): every block's
-fp16 scales, and every plain tensor, must be finite.
+files; read so, 11.7: bench/RESULTS.md, sessions 18 and 21). Values are checked before anything is kept
+(``first_bad_value``): every block's fp16 scales, and every plain tensor, must be finite.
 """
 
 from __future__ import annotations
