@@ -34,9 +34,9 @@ from checks.gpu.e2e_worker import allocations_at_peak  # noqa: E402
 GIB = 2**30
 
 
-def measure(decode, history: dict | None = None) -> tuple[torch.Tensor, float, float]:
-    """Output, peak GiB above what was allocated before, seconds; with ``history``, what was allocated at the peak
-    goes into it. Also the peak of torch's reserved memory above its start, from an emptied cache (``RESERVED``)."""
+def measure(decode, history: dict | None = None) -> tuple[torch.Tensor, float, float, float]:
+    """Output, peak GiB above what was allocated before, peak GiB of torch's reserved memory above its start (from an
+    emptied cache), seconds; with ``history``, what was allocated at the peak goes into it."""
     out = decode()  # warm-up (and ComfyUI loads the VAE)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -49,11 +49,8 @@ def measure(decode, history: dict | None = None) -> tuple[torch.Tensor, float, f
         out = decode()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - before) / GIB
-    RESERVED.append((torch.cuda.max_memory_reserved() - reserved) / GIB)
-    return out, peak, cuda_time(decode, repeats=3)
-
-
-RESERVED: list[float] = []
+    reserved_peak = (torch.cuda.max_memory_reserved() - reserved) / GIB
+    return out, peak, reserved_peak, cuda_time(decode, repeats=3)
 
 
 # The decoder's parts in the order its forward calls them, none inside another: between them runs only the final
@@ -103,8 +100,8 @@ def slab_sizes(vae, latent: torch.Tensor, whole: torch.Tensor, sizes: list[int])
     try:
         for mib in sizes:
             host_vae.SLAB_BYTES = mib * 2**20 if mib else 2**62
-            out, peak, seconds = measure(partial(vae.decode, latent))
-            found.append(dict(slab_mib=mib, peak_gib=round(peak, 3), reserved_gib=round(RESERVED[-1], 3),
+            out, peak, reserved, seconds = measure(partial(vae.decode, latent))
+            found.append(dict(slab_mib=mib, peak_gib=round(peak, 3), reserved_gib=round(reserved, 3),
                               s=round(seconds, 4), max_abs_diff=float((out.float() - whole.float()).abs().max())))
             print(found[-1], flush=True)
     finally:
@@ -134,13 +131,13 @@ def main() -> None:
     if options.channels_last:
         vae.first_stage_model.to(memory_format=torch.channels_last)
     history = {} if options.history else None
-    whole, whole_peak, whole_s = measure(partial(vae.decode, latent), history)
-    tiled, tiled_peak, tiled_s = measure(partial(vae.decode_tiled, latent, tile_x=512 // compression,
+    whole, whole_peak, whole_reserved, whole_s = measure(partial(vae.decode, latent), history)
+    tiled, tiled_peak, _, tiled_s = measure(partial(vae.decode_tiled, latent, tile_x=512 // compression,
                                                  tile_y=512 // compression, overlap=64 // compression))
     estimate = vae.memory_used_decode(latent.shape, vae.vae_dtype) / GIB
     rows = dict(machine=machine(), channels_last=options.channels_last, vae_dtype=str(vae.vae_dtype),
                 comfy_estimate_gib=estimate,
-                whole=dict(peak_gib=whole_peak, reserved_gib=RESERVED[0], s=whole_s, allocations_at_peak=history),
+                whole=dict(peak_gib=whole_peak, reserved_gib=whole_reserved, s=whole_s, allocations_at_peak=history),
                 tiled=dict(peak_gib=tiled_peak, s=tiled_s,
                            rel_diff=float((tiled.float() - whole.float()).norm() / whole.float().norm())))
     if options.stages:
