@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ErnieImageError
-from ..host.vae import convolve_in_row_slabs, core_vae
+from ..host.vae import core_vae, decode_in_row_slabs
 from ..model_files import builds_weights, read_safetensors
 
 # The VAE's batch-norm epsilon as trained and as diffusers applies it; ComfyUI's Flux.2 VAE assumes 1e-4,
@@ -48,7 +48,7 @@ def make_vae(state_dict: dict[str, torch.Tensor], source: str):
             "Use the vae/ of an ERNIE-Image snapshot or flux2-vae.safetensors."
         )
     vae.first_stage_model.bn_eps = TRAINED_BN_EPS
-    convolve_in_row_slabs(vae.first_stage_model.decoder)
+    decode_in_row_slabs(vae.first_stage_model.decoder)
     vae.memory_used_decode = decode_memory  # core reads it before each decode (VAE.decode and decode_tiled)
     return vae
 

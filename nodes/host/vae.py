@@ -1,24 +1,33 @@
 """Core's VAE (``comfy.sd.VAE``): it recognises the Flux.2 VAE that ERNIE-Image uses from its weights.
 
-Its decoder's convolutions can compute in slabs of rows (``convolve_in_row_slabs``). A whole 1024² decode peaked
-2.13 GiB above its start on the H200, 1 GiB of it allocated inside one convolution call (the last Upsample's, 256
-channels at 1024², whose input and output are 0.5 GiB each; bench/RESULTS.md, session 20): the peak of every 8 and
-12 GB recipe. A convolution that keeps the height (stride 1, kernel 2·padding + 1 rows) gives each output row from
-the input rows around it alone, so a slab of output rows computed from its input rows and ``padding`` rows either
-side is those rows of the whole result: only the scratch of a call shrinks, not the numbers. Normalisations, which
-need the whole image, are left as they are.
+Its decoder can compute large images in slabs of rows (``decode_in_row_slabs``). A convolution that keeps the height
+(stride 1, kernel 2·padding + 1 rows) gives each output row from the input rows around it alone, so a slab of output
+rows computed from its input rows and ``padding`` rows either side is those rows of the whole result. So do the steps
+that feed one: a nearest 2× upsampling (each row is a row of its input), and a GroupNorm and SiLU once the norm's
+statistics are taken over the whole image. Slabs shrink the tensors a decode holds at once, not the numbers:
+
+- each height-keeping convolution runs a slab at a time (a whole 1024² decode peaked 2.13 GiB above its start on the
+  H200, 1 GiB of it scratch inside one convolution call; in slabs 1.55: bench/RESULTS.md, sessions 20 and 21);
+- a ``ResnetBlock`` normalises its input a slab at a time as its convolution takes it, instead of holding a
+  normalised copy beside the input (at 1024² the first full-size block held 0.5 GiB of input, 0.5 normalised, 0.25
+  out: the decode's peak after the convolutions' slabs);
+- an ``Upsample`` upsamples a slab at a time as its convolution takes it (the last one held a 0.5 GiB upsampled copy).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
+import comfy.ldm.modules.diffusionmodules.model as vae_model
+import comfy.ops
 import comfy.sd
 import torch
+import torch.nn.functional as F
 
-# A convolution whose input and output rows together exceed this runs in slabs that each stay under it. A 1024²
-# decode on the H200 (bench_vae --slab-mib, session 21): whole convolutions 2.13 GiB, 0.092 s; slabs of 128 MiB 1.55
-# GiB, 0.099 s; of 32 MiB 1.33 GiB, 0.108 s (the rest of the peak is the blocks' own tensors).
+# A step whose input and output rows together exceed this runs in slabs that each stay under it. A 1024² decode on
+# the H200 (bench_vae --slab-mib, session 21; convolutions alone): whole 2.13 GiB, 0.092 s; slabs of 128 MiB 1.55
+# GiB, 0.099 s; of 32 MiB 1.33 GiB, 0.108 s. At 128 MiB the image was the whole convolutions' bit for bit.
 SLAB_BYTES = 128 * 2**20
 
 
@@ -27,46 +36,159 @@ def core_vae(state_dict: dict[str, torch.Tensor]) -> comfy.sd.VAE:
     return comfy.sd.VAE(sd=state_dict)
 
 
-class _RowSlabs:
+def _rows_per_slab(rows: int, row_bytes: int) -> int:
+    """How many rows a slab takes so that each stays under ``SLAB_BYTES``: all of them when they do at once."""
+    slabs = min(rows, math.ceil(row_bytes * rows / SLAB_BYTES))
+    return math.ceil(rows / slabs) if slabs > 1 else rows
+
+
+def _in_row_slabs(rows: int, step: int, halo: int, compute: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """The ``rows`` output rows, ``step`` at a time: ``compute(first, last)`` gives output rows first..last-1, of
+    which those ``halo`` rows away from a slab's cut saw every input row they depend on (the image's own edges get
+    the convolution's own zero padding)."""
+    out = None
+    for top in range(0, rows, step):
+        bottom = min(top + step, rows)
+        first, last = max(top - halo, 0), min(bottom + halo, rows)
+        part = compute(first, last)
+        if out is None:
+            out = part.new_empty((*part.shape[:2], rows, part.shape[-1]))
+        out[:, :, top:bottom] = part[:, :, top - first:bottom - first]
+    return out
+
+
+def _keeps_rows(layer: torch.nn.Module) -> bool:
+    return (isinstance(layer, torch.nn.Conv2d) and layer.stride[0] == 1 and layer.dilation[0] == 1
+            and layer.padding_mode == "zeros" and not isinstance(layer.padding, str)
+            and layer.kernel_size[0] == 2 * layer.padding[0] + 1)
+
+
+def _row_bytes(x: torch.Tensor, channels_out: int, extra_per_channel_in: int = 0) -> int:
+    return x.shape[0] * x.shape[-1] * (x.shape[1] * (x.element_size() + extra_per_channel_in)
+                                       + channels_out * x.element_size())
+
+
+class _RowSlabConv:
     """Put before a 2-D convolution class of core's (``comfy.ops``): its forward, a slab of rows at a time."""
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        rows = x.shape[-2] if x.ndim == 4 else 0
-        row_bytes = (x.shape[1] + self.out_channels) * x.shape[0] * x.shape[-1] * x.element_size() if rows else 0
-        slabs = min(rows, math.ceil(row_bytes * rows / SLAB_BYTES))
-        if slabs <= 1:
+        if x.ndim != 4:
             return super().forward(x, *args, **kwargs)
-        step, halo = math.ceil(rows / slabs), self.padding[0]
-        out = None
-        for top in range(0, rows, step):
-            bottom = min(top + step, rows)
-            first, last = max(top - halo, 0), min(bottom + halo, rows)
-            # Rows first..last-1 in, as many out (the height is kept); of those, top..bottom-1 saw every input row
-            # they depend on, and the image's own edges get the convolution's own zero padding.
-            part = super().forward(x[:, :, first:last], *args, **kwargs)
-            if out is None:
-                out = part.new_empty((*part.shape[:2], rows, part.shape[-1]))
-            out[:, :, top:bottom] = part[:, :, top - first:bottom - first]
-        return out
+        step = _rows_per_slab(x.shape[-2], _row_bytes(x, self.out_channels))
+        if step == x.shape[-2]:
+            return super().forward(x, *args, **kwargs)
+        convolve = super().forward
+        return _in_row_slabs(x.shape[-2], step, self.padding[0],
+                             lambda first, last: convolve(x[:, :, first:last], *args, **kwargs))
+
+
+def _norm_weights(norm: torch.nn.GroupNorm, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if getattr(norm, "comfy_cast_weights", False) or getattr(norm, "weight_function", None) \
+            or getattr(norm, "bias_function", None):
+        return comfy.ops.cast_bias_weight(norm, x)  # where core casts them (partial loading, dynamic VRAM)
+    return norm.weight, norm.bias
+
+
+def _norm_scale_shift(x: torch.Tensor, norm: torch.nn.GroupNorm, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GroupNorm of ``x`` as ``x·scale + shift`` per image and channel (float), as torch computes it; the
+    statistics gathered a slab of rows at a time (Chan's pairwise combination), never on a float copy of ``x``."""
+    batch, channels, rows = x.shape[:3]
+    count, mean, squares = 0, None, None
+    for top in range(0, rows, step):
+        part = x[:, :, top:top + step].float().reshape(batch, norm.num_groups, -1)
+        var, mu = torch.var_mean(part, dim=-1, correction=0)
+        n = part.shape[-1]
+        if mean is None:
+            count, mean, squares = n, mu, var * n
+            continue
+        delta, total = mu - mean, count + n
+        mean = mean + delta * (n / total)
+        squares = squares + var * n + delta.square() * (count * n / total)
+        count = total
+    per_group = channels // norm.num_groups
+    rstd = torch.rsqrt(squares / count + norm.eps).repeat_interleave(per_group, dim=1)
+    weight, bias = _norm_weights(norm, x)
+    scale = rstd * weight.float()
+    shift = bias.float() - scale * mean.repeat_interleave(per_group, dim=1)
+    return scale[..., None, None], shift[..., None, None]
+
+
+def _norm_silu_conv(x: torch.Tensor, norm: torch.nn.GroupNorm, conv: torch.nn.Conv2d) -> torch.Tensor:
+    """``conv(silu(norm(x)))``, the normalised input made a slab of rows at a time (a float slab as scratch)."""
+    step = _rows_per_slab(x.shape[-2], _row_bytes(x, conv.out_channels, extra_per_channel_in=4))
+    scale, shift = _norm_scale_shift(x, norm, step)
+
+    def compute(first: int, last: int) -> torch.Tensor:
+        normalised = torch.addcmul(shift, x[:, :, first:last].float(), scale).to(x.dtype)
+        return conv(F.silu(normalised, inplace=True))
+
+    return _in_row_slabs(x.shape[-2], step, conv.padding[0], compute)
+
+
+def _slabbable_norm(norm: torch.nn.Module) -> bool:
+    return isinstance(norm, torch.nn.GroupNorm) and norm.affine
+
+
+class _RowSlabResnetBlock:
+    """Put before core's ``ResnetBlock``: for a large image, each norm → SiLU → convolution a slab at a time."""
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor | None = None, *args, **kwargs) -> torch.Tensor:
+        plain = (x.ndim == 4 and temb is None and not args and all(v is None for v in kwargs.values())
+                 and (not self.training or self.dropout.p == 0)
+                 and _slabbable_norm(self.norm1) and _slabbable_norm(self.norm2)
+                 and _keeps_rows(self.conv1) and _keeps_rows(self.conv2))
+        if not plain or x.shape[-2] == _rows_per_slab(x.shape[-2], _row_bytes(x, self.out_channels)):
+            return super().forward(x, temb, *args, **kwargs)
+        h = _norm_silu_conv(x, self.norm1, self.conv1)
+        h = _norm_silu_conv(h, self.norm2, self.conv2)
+        if self.in_channels != self.out_channels:
+            x = self.conv_shortcut(x) if self.use_conv_shortcut else self.nin_shortcut(x)
+        return h.add_(x)  # core's x + h, into h
+
+
+class _RowSlabUpsample:
+    """Put before core's ``Upsample``: for a large image, the nearest 2× upsampling a slab at a time."""
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        scale = getattr(self, "scale_factor", 2.0)
+        scale = tuple(scale) if isinstance(scale, (tuple, list)) else (scale, scale)
+        plain = (x.ndim == 4 and not args and all(v is None for v in kwargs.values()) and self.with_conv
+                 and scale == (2.0, 2.0) and _keeps_rows(self.conv))
+        rows = 2 * x.shape[-2]
+        # An output row: a row of the upsampled input and of the convolution's output, both twice as wide.
+        step = _rows_per_slab(rows, 2 * _row_bytes(x, self.conv.out_channels)) if plain else rows
+        if step == rows:
+            return super().forward(x, *args, **kwargs)
+
+        def compute(first: int, last: int) -> torch.Tensor:
+            source = x[:, :, first // 2:(last + 1) // 2]  # output row r is input row r // 2
+            up = F.interpolate(source, scale_factor=2.0, mode="nearest")
+            offset = first - 2 * (first // 2)
+            return self.conv(up[:, :, offset:offset + last - first])
+
+        return _in_row_slabs(rows, step, self.conv.padding[0], compute)
 
 
 _SLABBED: dict[type, type] = {}
 
 
-def _keeps_rows(layer: torch.nn.Conv2d) -> bool:
-    return (layer.stride[0] == 1 and layer.dilation[0] == 1 and layer.padding_mode == "zeros"
-            and not isinstance(layer.padding, str) and layer.kernel_size[0] == 2 * layer.padding[0] + 1)
-
-
-def convolve_in_row_slabs(module: torch.nn.Module) -> int:
-    """Every height-keeping 2-D convolution under ``module`` computes large inputs in slabs of rows (same numbers,
-    less scratch); returns how many convolutions that is."""
+def decode_in_row_slabs(decoder: torch.nn.Module) -> int:
+    """Every height-keeping 2-D convolution, ``ResnetBlock`` and ``Upsample`` under ``decoder`` computes large
+    images in slabs of rows (the same numbers, up to the GroupNorm's float rounding; less memory); returns how many
+    modules that is."""
+    mixins = ((vae_model.ResnetBlock, _RowSlabResnetBlock), (vae_model.Upsample, _RowSlabUpsample))
     count = 0
-    for layer in module.modules():
-        if isinstance(layer, torch.nn.Conv2d) and not isinstance(layer, _RowSlabs) and _keeps_rows(layer):
-            base = type(layer)
-            if base not in _SLABBED:
-                _SLABBED[base] = type(f"RowSlab{base.__name__}", (_RowSlabs, base), {})
-            layer.__class__ = _SLABBED[base]
-            count += 1
+    for module in decoder.modules():
+        if isinstance(module, (_RowSlabConv, _RowSlabResnetBlock, _RowSlabUpsample)):
+            continue
+        mixin = next((mixin for core, mixin in mixins if isinstance(module, core)), None)
+        if mixin is None and _keeps_rows(module):
+            mixin = _RowSlabConv
+        if mixin is None:
+            continue
+        base = type(module)
+        if base not in _SLABBED:
+            _SLABBED[base] = type(f"RowSlab{base.__name__}", (mixin, base), {})
+        module.__class__ = _SLABBED[base]
+        count += 1
     return count
