@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--stages", action="store_true", help="the whole decode's peak per decoder stage")
     parser.add_argument("--history", action="store_true", help="what was allocated at the whole decode's peak")
     parser.add_argument("--channels-last", action="store_true", help="the decoder's weights in channels-last")
-    parser.add_argument("--slab-mib", help="comma-separated: the whole decode again with the decoder's convolutions "
+    parser.add_argument("--slab-mib", help="comma-separated: the whole decode again with the decoder "
                         "in slabs of at most this many MiB (nodes/host/vae.SLAB_BYTES; 0: no slabs)")
     options = parser.parse_args()
     use_comfyui()

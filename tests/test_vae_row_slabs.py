@@ -5,6 +5,7 @@ the same image. Core's own blocks (``comfy/ldm/modules/diffusionmodules/model.py
 from __future__ import annotations
 
 import comfy.ldm.modules.diffusionmodules.model as vae_model
+import comfy.model_management
 import comfy.ops
 import pytest
 import torch
@@ -92,12 +93,14 @@ def test_an_upsample_in_slabs_equals_the_whole(monkeypatch):
         whole = upsample(x)
         assert host_vae.decode_in_row_slabs(upsample) == 2  # the upsample and its convolution
         monkeypatch.setattr(host_vae, "SLAB_BYTES", 5 * 2 * 2 * 11 * (6 + 6) * 4)  # slabs of 5 of the 38 rows
+        emptied = _counting(monkeypatch, comfy.model_management, "soft_empty_cache")
         interpolations = []
         real = torch.nn.functional.interpolate
         monkeypatch.setattr(torch.nn.functional, "interpolate",
                             lambda t, *a, **k: interpolations.append(t.shape[-2]) or real(t, *a, **k))
         sliced = upsample(x)
     assert len(interpolations) == 8 and max(interpolations) <= 5  # the upsampled image never whole
+    assert len(emptied) == 1  # the cache emptied once, before the first slab
     torch.testing.assert_close(sliced, whole, rtol=1e-5, atol=1e-5)
 
 

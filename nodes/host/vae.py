@@ -11,7 +11,8 @@ statistics are taken over the whole image. Slabs shrink the tensors a decode hol
 - a ``ResnetBlock`` normalises its input a slab at a time as its convolution takes it, instead of holding a
   normalised copy beside the input (at 1024² the first full-size block held 0.5 GiB of input, 0.5 normalised, 0.25
   out: the decode's peak after the convolutions' slabs);
-- an ``Upsample`` upsamples a slab at a time as its convolution takes it (the last one held a 0.5 GiB upsampled copy).
+- an ``Upsample`` upsamples a slab at a time as its convolution takes it (the last one held a 0.5 GiB upsampled copy),
+  and first empties torch's cache of the smaller blocks it could not reuse.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import math
 from collections.abc import Callable
 
 import comfy.ldm.modules.diffusionmodules.model as vae_model
+import comfy.model_management as mm
 import comfy.ops
 import comfy.sd
 import torch
@@ -159,6 +161,10 @@ class _RowSlabUpsample:
         step = _rows_per_slab(rows, 2 * _row_bytes(x, self.conv.out_channels)) if plain else rows
         if step == rows:
             return super().forward(x, *args, **kwargs)
+        # The tensors from here on are the decode's largest; torch's cache holds the sampler's and the lower
+        # resolutions' freed blocks, too small for them. Released first, that memory serves these instead of adding
+        # to them: on an emulated 8 GB card the decode's reserved peak was 0.78 GiB above its allocated peak.
+        mm.soft_empty_cache()
 
         def compute(first: int, last: int) -> torch.Tensor:
             source = x[:, :, first // 2:(last + 1) // 2]  # output row r is input row r // 2
