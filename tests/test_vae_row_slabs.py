@@ -104,6 +104,25 @@ def test_an_upsample_in_slabs_equals_the_whole(monkeypatch):
     torch.testing.assert_close(sliced, whole, rtol=1e-5, atol=1e-5)
 
 
+def test_blocks_called_as_current_cores_call_them_take_the_slabs(monkeypatch):
+    """Current cores' Decoder calls ``block(h, temb, conv_carry_in, conv_carry_out)`` and ``upsample(h, conv_carry_in,
+    conv_carry_out)``, the carries None for an image (comfy/ldm/modules/diffusionmodules/model.py @9b6bab1b); 0.3.75's
+    blocks, called that way, compute in slabs too (else users' cores would keep the whole-image copies)."""
+    block = _randomise(vae_model.ResnetBlock(in_channels=32, out_channels=32, temb_channels=0), torch.float32)
+    upsample = _randomise(vae_model.Upsample(32, with_conv=True), torch.float32)
+    x = torch.randn(1, 32, 40, 12)
+    with torch.inference_mode():
+        whole_block, whole_upsample = block(x), upsample(x)
+        host_vae.decode_in_row_slabs(torch.nn.ModuleList([block, upsample]))
+        monkeypatch.setattr(host_vae, "SLAB_BYTES", 2**14)
+        norms = _counting(monkeypatch, torch.nn.functional, "group_norm")
+        interpolations = _counting(monkeypatch, torch.nn.functional, "interpolate")
+        sliced_block, sliced_upsample = block(x, None, None, None), upsample(x, None, None)
+    assert not norms and len(interpolations) > 1
+    torch.testing.assert_close(sliced_block, whole_block, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sliced_upsample, whole_upsample, rtol=1e-5, atol=1e-5)
+
+
 def test_the_loaders_vae_decodes_the_same_image_in_slabs(tiny_models, monkeypatch):
     vae = load_vae(tiny_models["vae_file"])
     decoder = vae.first_stage_model.decoder

@@ -127,6 +127,13 @@ def _norm_silu_conv(x: torch.Tensor, norm: torch.nn.GroupNorm, conv: torch.nn.Co
     return _in_row_slabs(x.shape[-2], step, conv.padding[0], compute)
 
 
+def _no_carry(args: tuple, kwargs: dict) -> bool:
+    """Whether a block's call passes no video carry: current cores call ``block(h, temb, conv_carry_in,
+    conv_carry_out)`` and ``upsample(h, conv_carry_in, conv_carry_out)``, both None for an image (model.py
+    @9b6bab1b); 0.3.75 passes nothing."""
+    return all(value is None for value in (*args, *kwargs.values()))
+
+
 def _slabbable_norm(norm: torch.nn.Module) -> bool:
     return isinstance(norm, torch.nn.GroupNorm) and norm.affine
 
@@ -135,7 +142,7 @@ class _RowSlabResnetBlock:
     """Put before core's ``ResnetBlock``: for a large image, each norm → SiLU → convolution a slab at a time."""
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor | None = None, *args, **kwargs) -> torch.Tensor:
-        plain = (x.ndim == 4 and temb is None and not args and all(v is None for v in kwargs.values())
+        plain = (x.ndim == 4 and temb is None and _no_carry(args, kwargs)
                  and (not self.training or self.dropout.p == 0)
                  and _slabbable_norm(self.norm1) and _slabbable_norm(self.norm2)
                  and _keeps_rows(self.conv1) and _keeps_rows(self.conv2))
@@ -154,7 +161,7 @@ class _RowSlabUpsample:
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         scale = getattr(self, "scale_factor", 2.0)
         scale = tuple(scale) if isinstance(scale, (tuple, list)) else (scale, scale)
-        plain = (x.ndim == 4 and not args and all(v is None for v in kwargs.values()) and self.with_conv
+        plain = (x.ndim == 4 and _no_carry(args, kwargs) and self.with_conv
                  and scale == (2.0, 2.0) and _keeps_rows(self.conv))
         rows = 2 * x.shape[-2]
         # An output row: a row of the upsampled input and of the convolution's output, both twice as wide.
