@@ -18,10 +18,10 @@ from ..model_files import builds_weights, read_safetensors
 # which shifts every decoded latent channel whose running variance is small.
 TRAINED_BN_EPS = 1e-5
 # What a whole decode of one 1024² image (a 64×64 Flux.2 latent) needs beside the VAE's weights, in bf16: its
-# activations peak at 1.25 GiB (bench/vae_activation_peak.py); plus 30 %. On the GPU, with the decoder's convolutions
-# in slabs of rows (host/vae.py), the decode peaks 1.55 GiB over its start, in ComfyUI's executor (emulated 8 and 12
-# GB cards) as in bench/bench_vae.py: the first full-size ResnetBlock, whose input, normalised input and output are
-# held at once (bench/RESULTS.md, session 21). Whole convolutions took 2.13 GiB, 1 GiB of it scratch inside the last
+# activations peak at 1.25 GiB (bench/vae_activation_peak.py); plus 30 %. On the GPU, with the decoder in slabs of
+# rows (host/vae.py), the decode peaks 1.17 GiB over its start, in bench/bench_vae.py as in ComfyUI's executor on
+# emulated 8 and 12 GB cards (warm prompts: 5.18 → 6.35 and 8.83 → 10.00 GiB; bench/RESULTS.md, session 22); torch's
+# reserved memory rises 1.66 GiB from an emptied cache. Whole, it took 2.13 GiB, 1 GiB of it scratch inside the last
 # Upsample's convolution call, over this estimate; at 2.35 ComfyUI unloaded the text encoder before every decode on
 # 12 GB (warm 1.50 s became 2.7-4.2 s) and part of the DiT on 8 GB (session 18). Core's estimate for this VAE is
 # 4.25 GiB, which pushed a resident DiT or text encoder off a 16 or 24 GB card for every decode.
@@ -39,8 +39,8 @@ def decode_memory(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 @builds_weights
 def make_vae(state_dict: dict[str, torch.Tensor], source: str):
     """A core ``VAE`` from the Flux.2 VAE weights (diffusers or ComfyUI keys), with the trained BN epsilon; its
-    decoder convolves large images in slabs of rows (``host/vae.py``: the same image; at 1024² a peak of 1.55 GiB,
-    not 2.13)."""
+    decoder computes large images in slabs of rows (``host/vae.py``: the same image up to float rounding; at 1024² a
+    peak of 1.17 GiB, not 2.13)."""
     vae = core_vae(state_dict)
     if getattr(vae.first_stage_model, "bn", None) is None:
         raise ErnieImageError(
