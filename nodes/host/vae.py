@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 # A step whose input and output rows together exceed this runs in slabs that each stay under it. A 1024² decode on
-# the H200 (bench_vae --slab-mib, session 21; convolutions alone): whole 2.13 GiB, 0.092 s; slabs of 128 MiB 1.55
-# GiB, 0.099 s; of 32 MiB 1.33 GiB, 0.108 s. At 128 MiB the image was the whole convolutions' bit for bit.
+# the H200 (bench_vae --slab-mib, session 22): whole 2.13 GiB, 0.089 s; in slabs of 128 MiB 1.17 GiB, 0.084 s; of 32
+# MiB 1.05 GiB, 0.123 s (the convolutions alone in slabs of 128 MiB, session 21: 1.55 GiB, 0.099 s).
 SLAB_BYTES = 128 * 2**20
 
 
