@@ -16,3 +16,9 @@ versions are never parsed, only features looked up (``hasattr``, signatures).
 - ``attention``: which of core's attention switches the DiT follows;
 - ``vae``, ``lora``: core's VAE and LoRA machinery.
 """
+
+import comfy.model_management
+
+from .. import cancel
+
+cancel.install(comfy.model_management.throw_exception_if_processing_interrupted)  # the engine's loops stop on Cancel
