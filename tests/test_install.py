@@ -11,6 +11,7 @@ time: a CUDA build is 5.5 GB, and a second copy once filled CI's disk.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import re
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from conftest import COMFY_DIR, REPO
 from scripts.comfy_headless import ComfyServer
@@ -30,6 +32,11 @@ NODE_IDS = {
 PACK_FOLDER = "ERNIE-Image For ComfyUI"  # not the repository's name: imports must be relative
 # A user's ComfyUI has its own torch; ComfyUI's requirements.txt names torch without a version.
 USER_TORCH = ["torch", "torchvision"]
+# ... and a ComfyUI environment's transformers (ComfyUI's requirements.txt asks for one).
+COMFYUI_PACKAGES = [*USER_TORCH, "transformers"]
+# The torch floor the README states (cache-dit's), and the wheels a torch upgrade from PyPI brings.
+TORCH_FLOOR = "2.7.1"
+CUDA_WHEELS = ("nvidia-", "cuda-", "triton")
 
 
 def _tracked_files() -> list[str]:
@@ -61,17 +68,18 @@ def _distributions_needed(requirements: list[str]) -> dict[str, importlib.metada
     return needed
 
 
-def _link_user_torch(python: Path, into: Path) -> None:
-    """Makes the test environment's torch the new environment's own: its packages linked into one folder that a .pth
-    file puts on the new environment's path (after its site-packages, so anything pip installs there wins)."""
+def _link_user_packages(python: Path, into: Path, requirements: list[str]) -> None:
+    """Makes the test environment's packages (torch: the user's own) the new environment's: what `requirements`
+    need, linked into one folder that a .pth file puts on the new environment's path (after its site-packages, so
+    anything pip installs there wins)."""
     into.mkdir()
-    for dist in _distributions_needed(USER_TORCH).values():
+    for dist in _distributions_needed(requirements).values():
         for top in {file.parts[0] for file in dist.files or []}:
             if top not in ("..", "__pycache__") and not top.endswith(".pth") and not (into / top).exists():
                 (into / top).symlink_to(Path(dist.locate_file(top)))
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    (Path(site) / "user_torch.pth").write_text(f"{into}\n")
+    (Path(site) / "user_packages.pth").write_text(f"{into}\n")
 
 
 def _version(python, package: str) -> str:
@@ -79,12 +87,32 @@ def _version(python, package: str) -> str:
                           capture_output=True, text=True, check=True).stdout.strip()
 
 
-def test_requirements_resolve_without_pinning_torch():
+def test_requirements_keep_a_torch_at_the_floor_and_bring_gguf(tmp_path):
+    """pip's own resolution (a dry run, with its report) of requirements.txt in a ComfyUI environment whose torch
+    meets the floor: it installs no torch, no CUDA wheel, keeps the environment's transformers, and brings gguf. Each
+    torch requirement of what it would install admits the floor itself, so a torch 2.7.1 stays too (resolving against
+    torch==2.7.1 directly would download its 821 MB wheel: this index serves no metadata-only files)."""
     requirements = (REPO / "requirements.txt").read_text()
     assert not re.search(r"^torch\b", requirements, re.MULTILINE), "ComfyUI Manager must not fight the user's torch"
-    result = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "-q", "-r", "requirements.txt"],
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    _link_user_packages(python, tmp_path / "comfyui_packages", COMFYUI_PACKAGES)
+    report = tmp_path / "report.json"
+    result = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--dry-run",
+                             "--disable-pip-version-check", "--report", str(report), "-r", "requirements.txt"],
                             cwd=REPO, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stderr[-4000:]
+    installs = {canonicalize_name(item["metadata"]["name"]): item["metadata"] for item in
+                json.loads(report.read_text())["install"]}
+    assert not {"torch", "torchvision", "transformers"} & set(installs), {n: installs[n]["version"] for n in installs}
+    assert not [name for name in installs if name.startswith(CUDA_WHEELS)], sorted(installs)
+    assert "gguf" in installs, sorted(installs)
+    for name, metadata in installs.items():
+        for text in metadata.get("requires_dist", []):
+            requirement = Requirement(text)
+            if requirement.name == "torch" and (requirement.marker is None or requirement.marker.evaluate()):
+                assert requirement.specifier.contains(TORCH_FLOOR), f"{name} asks for {text}: not torch {TORCH_FLOOR}"
 
 
 def test_fresh_environment_with_comfyui_then_the_pack_registers_every_node(tmp_path):
@@ -94,7 +122,7 @@ def test_fresh_environment_with_comfyui_then_the_pack_registers_every_node(tmp_p
         python = venv / "bin" / "python"
         bare = subprocess.run([str(python), "-c", "import torch"], capture_output=True)
         assert bare.returncode != 0, "the new environment must not see the test environment's packages"
-        _link_user_torch(python, tmp_path / "user_torch")
+        _link_user_packages(python, tmp_path / "user_torch", USER_TORCH)
         torch_version = _version(python, "torch")
         assert torch_version == importlib.metadata.version("torch")
         _pip_install(python, "-r", str(COMFY_DIR / "requirements.txt"))
