@@ -1,7 +1,10 @@
 """The main job: run the Turbo example workflow through a headless ComfyUI and report where the image went.
 
-Real weights are used when ``<models>/diffusers/ERNIE-Image-Turbo`` holds a snapshot; otherwise tiny random
-models in the same layout are generated (in ``.cache/tiny-models``) so the whole path runs anywhere.
+Real weights are used when the models folder's ``diffusers/ERNIE-Image-Turbo`` holds a snapshot. A folder named
+with ``--models`` (or ``$ERNIE_MODELS_DIR``) must exist and hold it: it is never swapped for anything else. With no
+folder named, ``./models`` is used when it holds the snapshot; otherwise, and with ``--tiny``, tiny random models in
+the same layout are generated (in ``.cache/tiny-models``) and the output says so: the whole path runs anywhere, and
+its image shows nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import uuid
 from pathlib import Path
 
 import requests
-import torch
 import websocket
 
 from scripts.comfy_headless import ComfyServer
@@ -26,17 +28,56 @@ REAL_SNAPSHOT = "ERNIE-Image-Turbo"
 TINY_SNAPSHOT = "ERNIE-Image-Turbo-tiny"
 
 
-def choose_models(models_dir: Path) -> tuple[Path, str, int]:
-    """The models folder, snapshot name and image size to use: real weights if present, else tiny ones."""
-    if (models_dir / "diffusers" / REAL_SNAPSHOT / "model_index.json").is_file():
-        return models_dir, REAL_SNAPSHOT, 1024
+def _shown(path: Path) -> str:
+    """A path as given on the command line, cut short (it is the user's text)."""
+    text = str(path)
+    return text if len(text) <= 200 else text[:200] + "…"
+
+
+def named_models(models_dir: Path) -> Path:
+    """The snapshot in the models folder the user named, or SystemExit saying what is missing there."""
+    snapshot = models_dir / "diffusers" / REAL_SNAPSHOT
+    if not models_dir.is_dir():
+        raise SystemExit(f"demo: the models folder {_shown(models_dir)} does not exist. Name a ComfyUI models "
+                         f"folder that holds diffusers/{REAL_SNAPSHOT}/, or run `bash scripts/demo.sh --tiny` for "
+                         "tiny random models.")
+    if not (snapshot / "model_index.json").is_file():
+        inside = " (this folder is a snapshot itself: name the models folder that holds diffusers/)" if (
+            models_dir / "model_index.json").is_file() else ""
+        raise SystemExit(f"demo: the models folder {_shown(models_dir)} holds no {REAL_SNAPSHOT} snapshot: "
+                         f"{_shown(snapshot / 'model_index.json')} is missing{inside}. Download it with `hf download "
+                         f"baidu/{REAL_SNAPSHOT} --local-dir {_shown(snapshot)}`, or run `bash scripts/demo.sh "
+                         "--tiny` for tiny random models.")
+    return snapshot
+
+
+def tiny_models() -> Path:
+    """Tiny random models in the real layout, written once under ``.cache/tiny-models``."""
     tiny_dir = REPO / ".cache" / "tiny-models"
     if not (tiny_dir / "diffusers" / TINY_SNAPSHOT / "model_index.json").is_file():
         from scripts.tiny_models import write_models_folder
 
-        print(f"no snapshot at {models_dir / 'diffusers' / REAL_SNAPSHOT}: generating tiny random models")
+        print(f"generating tiny random models in {tiny_dir}")
         write_models_folder(tiny_dir)
-    return tiny_dir, TINY_SNAPSHOT, 256
+    return tiny_dir
+
+
+def choose_models(named: Path | None, tiny: bool) -> tuple[Path, str, int]:
+    """The models folder, snapshot name and image size to use: the named folder's snapshot (which must be there),
+    tiny models when asked, else ``./models``'s snapshot when it is there, else tiny models, said in words."""
+    if tiny:
+        print("tiny random models (--tiny): the whole path runs, and the image shows nothing")
+        return tiny_models(), TINY_SNAPSHOT, 256
+    if named is not None:
+        named_models(named)
+        return named, REAL_SNAPSHOT, 1024
+    default = REPO / "models"
+    if (default / "diffusers" / REAL_SNAPSHOT / "model_index.json").is_file():
+        return default, REAL_SNAPSHOT, 1024
+    print(f"no {REAL_SNAPSHOT} snapshot at {default / 'diffusers' / REAL_SNAPSHOT} and no --models folder named: "
+          "running tiny random models instead (the whole path runs, and the image shows nothing). For real weights, "
+          "put the snapshot there or name a models folder with --models.")
+    return tiny_models(), TINY_SNAPSHOT, 256
 
 
 def explain_import_failures(log: str) -> list[str]:
@@ -81,18 +122,25 @@ def run_with_timings(server: ComfyServer, graph: dict) -> tuple[str, list[tuple[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", type=Path, default=Path(os.environ.get("ERNIE_MODELS_DIR", REPO / "models")),
-                        help="a ComfyUI models folder (default: $ERNIE_MODELS_DIR or ./models)")
+    parser.add_argument("--models", type=Path,
+                        help="a ComfyUI models folder holding diffusers/ERNIE-Image-Turbo/ (default: "
+                        "$ERNIE_MODELS_DIR; else ./models when it holds the snapshot, else tiny random models)")
+    parser.add_argument("--tiny", action="store_true", help="tiny random models, whatever weights there are")
     parser.add_argument("--comfyui", type=Path, default=REPO / ".cache" / "comfyui")
     parser.add_argument("--prompt", help="replace the workflow's prompt")
     args = parser.parse_args()
 
-    models_dir, snapshot, size = choose_models(args.models)
+    if args.tiny and args.models is not None:
+        parser.error("--tiny runs tiny random models: name no --models folder with it")
+    named = args.models or (Path(os.environ["ERNIE_MODELS_DIR"]) if os.environ.get("ERNIE_MODELS_DIR") else None)
+    models_dir, snapshot, size = choose_models(named, args.tiny)
     graph = json.loads(WORKFLOW.read_text())
     graph["loader"]["inputs"]["model_name"] = snapshot
     graph["latent"]["inputs"].update(width=size, height=size)
     if args.prompt:
         graph["positive"]["inputs"]["text"] = args.prompt
+
+    import torch  # after the checks above: a refused folder is said at once, not after torch's seconds of import
 
     server = ComfyServer(args.comfyui, REPO / "out" / "comfyui", REPO, models_dir, cpu=not torch.cuda.is_available())
     t0 = time.perf_counter()

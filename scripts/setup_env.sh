@@ -8,10 +8,30 @@ cd "$(dirname "$0")/.."
 
 step() { echo "setup: $*"; }
 
+# The Python that makes .venv: python3 on PATH, or the one named by PYTHON. Checked before anything is made.
+python=${PYTHON:-python3}
+version=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || version=
+if [ -z "$version" ]; then
+    step "cannot run $python: install Python 3.11 or newer, or name one with PYTHON=<path> bash $0. Nothing was made."
+    exit 1
+fi
+if [ "${version%%.*}" -ne 3 ] || [ "${version#*.}" -lt 11 ]; then
+    step "$python is Python $version ($(command -v "$python")), and the pack needs Python 3.11 or newer" \
+        "(diffusers 0.42 needs it). Install one and run again with it first on PATH as python3, or name it:" \
+        "PYTHON=python3.11 bash $0. Nothing was made."
+    exit 1
+fi
+
 venv=.venv
+# A .venv made by another Python (its pyvenv.cfg says which) holds packages built for that one: made again.
+made_by=$(sed -n 's/^version\(_info\)\? *= *\([0-9]*\.[0-9]*\).*/\2/p' "$venv/pyvenv.cfg" 2>/dev/null) || made_by=
+if [ -e "$venv" ] && [ "$made_by" != "$version" ]; then
+    step "$venv was made by Python ${made_by:-of an unknown version} and $python is Python $version: making it again"
+    rm -rf "$venv"
+fi
 if [ ! -x "$venv/bin/python" ]; then
-    step "creating the virtual environment $venv"
-    python3 -m venv "$venv"
+    step "creating the virtual environment $venv with Python $version ($(command -v "$python"))"
+    "$python" -m venv "$venv"
 fi
 stamp="$venv/.requirements.sha256"
 if sha256sum --status -c "$stamp" 2>/dev/null; then
