@@ -133,6 +133,58 @@ def test_workflow_loads_in_the_frontend(ui_server, browser, path, tmp_path):
         shutil.copy(shot, DOCS / shot.name)
 
 
+# Shows the whole graph at scale 1 in the page (drawing a node places its widgets) and draws it.
+SHOW_WHOLE_GRAPH = """() => {
+  const nodes = window.app.graph._nodes, ds = window.app.canvas.ds;
+  ds.scale = 1;
+  ds.offset = [80 - Math.min(...nodes.map((n) => n.pos[0])), 160 - Math.min(...nodes.map((n) => n.pos[1]))];
+  window.app.canvas.setDirty(true, true);
+  window.app.canvas.draw(true, true);
+}"""
+# What a user sees wrong in a workflow's layout once the frontend has placed and drawn it (LiteGraph's own boxes: a
+# node's title bar lies above its pos, NODE_TITLE_HEIGHT high; a widget's y is set where it is drawn).
+FIND_LAYOUT_PROBLEMS = """() => {
+  const problems = [], T = LiteGraph.NODE_TITLE_HEIGHT, nodes = window.app.graph._nodes;
+  const name = (n) => `${n.type} #${n.id} '${n.title}'`;
+  const box = (n) => [n.pos[0], n.pos[1] - T, n.pos[0] + n.size[0], n.pos[1] + n.size[1]];
+  nodes.forEach((a, i) => nodes.slice(i + 1).forEach((b) => {
+    const [p, q] = [box(a), box(b)];
+    if (p[0] < q[2] && q[0] < p[2] && p[1] < q[3] && q[1] < p[3]) problems.push(`${name(a)} overlaps ${name(b)}`);
+  }));
+  for (const n of nodes) {
+    for (const w of n.widgets || []) {
+      const height = w.computedHeight ?? LiteGraph.NODE_WIDGET_HEIGHT;
+      if (!(w.y >= 0 && w.y + height <= n.size[1] + 0.5))
+        problems.push(`${name(n)}: widget ${w.name} spans ${w.y}..${w.y + height}, the node's body 0..${n.size[1]}`);
+    }
+    const text = (n.widgets || []).find((w) => w.element)?.element;
+    if (['Note', 'MarkdownNote'].includes(n.type) && text && text.scrollHeight > text.clientHeight + 1)
+      problems.push(`${name(n)}: its text needs ${text.scrollHeight} px, its box shows ${text.clientHeight}`);
+  }
+  for (const link of Object.values(window.app.graph.links || {})) {
+    if (!link) continue;
+    const [from, to] = [window.app.graph.getNodeById(link.origin_id), window.app.graph.getNodeById(link.target_id)];
+    if (from.pos[0] + from.size[0] > to.pos[0]) problems.push(`${name(from)} -> ${name(to)} runs right to left`);
+  }
+  return problems;
+}"""
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=IDS)
+def test_workflow_layout_in_the_frontend(ui_server, browser, path):
+    """As the frontend places it: no node covers another, every widget and every note's text lies inside its node,
+    and every link runs left to right, as ComfyUI's own templates read."""
+    page = browser.new_page(viewport={"width": 3840, "height": 2400})  # the whole of the widest workflow at scale 1
+    page.goto(ui_server.url, timeout=120_000)
+    page.wait_for_function("window.app && window.app.graph", timeout=120_000)
+    page.evaluate("async (workflow) => { await window.app.loadGraphData(workflow); }", json.loads(path.read_text()))
+    page.evaluate(SHOW_WHOLE_GRAPH)
+    page.wait_for_timeout(1000)
+    problems = page.evaluate(FIND_LAYOUT_PROBLEMS)
+    page.close()
+    assert problems == []
+
+
 def _widget_values(ui_node: dict, info: dict) -> dict:
     """Map a UI node's ``widgets_values`` onto input names, in the server's input order: every widget input has a
     value (a widget fed by a link too, then ignored), and a seed with "control after generate" one more. A workflow
