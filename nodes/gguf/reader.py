@@ -29,8 +29,9 @@ from .dequant import BLOCKS, PLAIN, SCALE_OFFSETS, UNSUPPORTED_ADVICE
 from .header import HeaderError, walk_header
 
 ORIG_SHAPE = "comfy.gguf.orig_shape."
-_NO_PACKAGE = ("Reading GGUF files needs the gguf package, which is not installed. Install it into ComfyUI's "
-               "Python (`pip install gguf`), then restart ComfyUI.")
+_NO_PACKAGE = ("Reading GGUF files needs the gguf package, which is not installed in ComfyUI's Python (the pack's "
+               "requirements.txt lists it: were they installed into another Python?). Install it there (`pip install "
+               "gguf`, or `pip install -r requirements.txt` in the pack's folder), then restart ComfyUI.")
 
 
 @dataclass(frozen=True)
