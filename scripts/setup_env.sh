@@ -11,8 +11,9 @@ step() { echo "setup: $*"; }
 # The Python that makes .venv: python3 on PATH, or the one named by PYTHON. Checked before anything is made.
 python=${PYTHON:-python3}
 version=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || version=
-if [ -z "$version" ]; then
-    step "cannot run $python: install Python 3.11 or newer, or name one with PYTHON=<path> bash $0. Nothing was made."
+if ! [[ $version =~ ^[0-9]+\.[0-9]+$ ]]; then
+    step "cannot run $python as a Python: install Python 3.11 or newer, or name one with PYTHON=<path> bash $0." \
+        "Nothing was made."
     exit 1
 fi
 if [ "${version%%.*}" -ne 3 ] || [ "${version#*.}" -lt 11 ]; then

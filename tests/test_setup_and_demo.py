@@ -43,8 +43,10 @@ def _shim(folder: Path, name: str) -> Path:
     return folder / name
 
 
-def _run(command: list[str], path_first: Path | None = None) -> subprocess.CompletedProcess:
+def _run(command: list[str], path_first: Path | None = None, python: str | None = None) -> subprocess.CompletedProcess:
     env = {name: value for name, value in os.environ.items() if name != "PYTHON"}
+    if python is not None:
+        env["PYTHON"] = python
     if path_first is not None:
         env["PATH"] = f"{path_first}{os.pathsep}{env['PATH']}"
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
@@ -74,6 +76,15 @@ def test_setup_with_a_python_310_shim_keeps_a_good_venv_untouched(tmp_path):
     result = _run(["bash", str(setup)], path_first=shim.parent)
     assert result.returncode == 1 and "needs Python 3.11 or newer" in result.stdout, result.stdout + result.stderr
     assert (venv / "pyvenv.cfg").read_text() == "version = 3.11.7\n"
+
+
+def test_setup_refuses_a_named_python_it_cannot_run(tmp_path):
+    setup = _setup_copy(tmp_path / "clone")
+    missing = tmp_path / "no such python3.11"
+    result = _run(["bash", str(setup)], python=str(missing))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"setup: cannot run {missing} as a Python: install Python 3.11 or newer" in result.stdout
+    assert not (tmp_path / "clone" / ".venv").exists()
 
 
 def test_setup_makes_venv_again_when_another_python_made_it(tmp_path):

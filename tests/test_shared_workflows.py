@@ -2,6 +2,8 @@
 
 - each loads in the real ComfyUI frontend (``comfyui-frontend-package``, headless Chromium) with no missing
   node types and no invalid widget values, and a screenshot is taken;
+- each opens laid out as the frontend draws it: no node covers another, every widget and every note's text lies inside
+  its node, and every link runs left to right;
 - each UI file and its twin describe the same graph (same nodes, same widget values);
 - each twin runs to an image through the headless server, on tiny models saved under the released names;
 - every single file a workflow loads comes with its download (``models`` entries: name, url, directory) and the
