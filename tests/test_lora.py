@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.lora.patching import apply_lora
 from helpers.accel import sample, tiny_patcher
-from helpers.lora import ALPHA, LAYERS, LAYOUTS, OTHER_LAYERS, RANK, deltas, lora_file, merged, rewrite
+from helpers.lora import ALPHA, BLOCK_LINEARS, LAYERS, LAYOUTS, OTHER_LAYERS, RANK, deltas, lora_file, merged, rewrite
 from helpers.parses import count_header_parses
 from helpers.reference import max_level_difference, reference_image, saved_image
 from helpers.workflows import text_to_image
@@ -208,11 +208,6 @@ def test_lycoris_adapters_and_dora_reach_cores_weight_adapters(tiny_models, plai
     ours = sample(patched)
     assert (ours - plain_latent).abs().max() > 10 / 255
     torch.testing.assert_close(ours, sample(reference), atol=1 / 255, rtol=0)
-
-
-BLOCK_LINEARS = {"self_attention.to_q": (64, 64), "self_attention.to_k": (64, 64), "self_attention.to_v": (64, 64),
-                 "self_attention.to_out.0": (64, 64), "mlp.gate_proj": (128, 64), "mlp.up_proj": (128, 64),
-                 "mlp.linear_fc2": (64, 128)}  # the tiny DiT's 7 linear layers in each of its 10 blocks
 
 
 def test_a_lora_one_column_too_wide_is_reported_as_applied_to_none_of_its_layers(comfy_server, placed):
