@@ -92,12 +92,11 @@ class _Stored:
 
 @dataclass(frozen=True)
 class _Parsed:
-    """A safetensors file's header, parsed and checked once: every tensor's place, the file's size and metadata."""
+    """A safetensors file's header, parsed and checked once: every tensor's place, and the file's size."""
 
     tensors: dict[str, _Stored]
     data_start: int
     size: int
-    metadata: dict[str, str]
 
 
 def _shape(value: object) -> tuple[int, ...] | None:
@@ -113,7 +112,7 @@ def _stored(name: str, entry: object) -> _Stored | str:
     if not isinstance(entry, dict):
         return f"the entry of {quoted(name)} is not a JSON object"
     dtype, shape, offsets = entry.get("dtype"), _shape(entry.get("shape")), entry.get("data_offsets")
-    if dtype not in _BITS:
+    if not isinstance(dtype, str) or dtype not in _BITS:
         return f"{quoted(name)} has the unknown dtype {quoted(dtype, 40)}"
     if shape is None:
         return f"{quoted(name)} has no shape of at most {MAX_DIMENSIONS} sizes"
@@ -169,7 +168,7 @@ def _parse(path: Path, size: int) -> _Parsed:
         end = stored.end
     if 8 + declared + end != size:
         raise _unreadable(path, f"its tensors end at byte {8 + declared + end}, the file at {size}")
-    return _Parsed(tensors, 8 + declared, size, metadata)
+    return _Parsed(tensors, 8 + declared, size)
 
 
 # The last headers parsed, by file (path, device, inode, size, modification time): one load asks for a file's header

@@ -229,3 +229,35 @@ def test_an_8_mib_tensor_name_is_quoted_cut_short(tiny_models, placed, where):
     message = str(error.value)
     assert len(message) < 2000, message[:300]
     assert "long.safetensors" in message and EIGHT_MIB_NAME[:150] in message and "characters)" in message
+
+
+def _safetensors_bytes(header: dict, data: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + data
+
+
+@pytest.mark.parametrize("header, data, words", [
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4,
+     "a, a F32 tensor of shape [2], is given 4 bytes"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+      "b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4,
+     "the bytes of b start at 0, not where the tensor before ends (4)"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8,
+     "the bytes of a start at 4, not where the tensor before ends (0)"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, "its tensors end at byte"),
+    ({"a": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, "a has the unknown dtype"),
+    ({"a": {"dtype": "F32", "shape": [1] * 9, "data_offsets": [0, 4]}}, b"\0" * 4, "a has no shape of at most 8"),
+    ({"__metadata__": {"format": 1}}, b"", "its __metadata__ is not a JSON object of strings"),
+    ([], b"", "its header is not a JSON object"),
+])
+def test_a_damaged_safetensors_header_is_refused_naming_the_file(tmp_path, header, data, words):
+    """What safetensors checked on main (a tensor's bytes fit its dtype and shape; the tensors fill the data one
+    after another) the pack's own reader checks, so that each file's header is parsed once."""
+    from comfyui_ernie_image.nodes.model_files import read_header
+
+    path = tmp_path / "damaged.safetensors"
+    path.write_bytes(_safetensors_bytes(header, data))
+    with pytest.raises(ErnieImageError) as error:
+        read_header(path)
+    assert str(error.value).startswith(f"Cannot read {path} ({words}")
+    assert "The file is damaged or incomplete (an interrupted download?): download it again." in str(error.value)
