@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .errors import ErnieImageError
+from .errors import ErnieImageError, quoted
 
 FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 CONFIG_SUFFIX = ".comfy_quant"
@@ -66,6 +66,7 @@ def _config(value: object, where: str) -> dict:
 
 
 def _decode(tensor: torch.Tensor, key: str) -> dict:
+    key = quoted(key)  # a name from the file, for the messages
     if tensor.dtype != torch.uint8 or tensor.ndim != 1 or tensor.numel() > _MAX_CONFIG_BYTES:
         raise ErnieImageError(f"{key} is not a quantization configuration (a short uint8 tensor of JSON): the file "
                               "is damaged. Download it again.")
@@ -89,7 +90,7 @@ def header_layers(metadata: dict[str, str]) -> dict[str, dict]:
                               "the file is damaged. Download it again.") from error
     if not isinstance(layers, dict):
         raise ErnieImageError(f"The file's {HEADER_KEY} header has no layer map: the file is damaged.")
-    return {name: _config(conf, f"{HEADER_KEY}[{name!r}]") for name, conf in layers.items()}
+    return {name: _config(conf, f"{HEADER_KEY}[{quoted(name)!r}]") for name, conf in layers.items()}
 
 
 def split_quantization(state_dict: dict[str, torch.Tensor],

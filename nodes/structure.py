@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import ErnieImageError
+from .cancel import check_cancel
+from .errors import ErnieImageError, quoted
 from .model_files import Header
 
 Shape = tuple[int, ...]
@@ -69,6 +70,11 @@ def _first(names: Iterable[str]) -> tuple[str, str]:
     return names[0], f" (and {len(names) - 1} more)" if len(names) > 1 else ""
 
 
+def _named(prefix: str, i: int, name: str) -> str:
+    """A block's key as a message quotes it: ``<prefix><i>.<name>``, the file's part cut short."""
+    return quoted(f"{prefix}{i}.{name}")
+
+
 def is_ignored(name: str, ignored: Iterable[str]) -> bool:
     return any(name == part or (part.endswith(".") and name.startswith(part)) for part in ignored)
 
@@ -83,14 +89,15 @@ def count_blocks(header: Header, prefix: str, most: int, source: str, what: str,
     pattern = re.compile(re.escape(prefix) + r"(\d+)\.(.+)")
     blocks: dict[int, dict[str, Shape | None]] = {}
     for name, info in header.items():
+        check_cancel()
         match = pattern.fullmatch(name)
         if match is None or name.rpartition(".")[2] in quantized:
             continue
         digits = match.group(1)
         # Compared as text first: a hostile index of thousands of digits is past int()'s limit, and past the cap.
         if len(digits) > len(str(most)) or int(digits) >= most:
-            raise error(f"{source} declares block {digits[:20]} ({name}): a {what} has at most {most} blocks, so the "
-                        f"file is damaged or made to exhaust memory. {advice}")
+            raise error(f"{source} declares block {digits[:20]} ({quoted(name)}): a {what} has at most {most} blocks, "
+                        f"so the file is damaged or made to exhaust memory. {advice}")
         blocks.setdefault(int(digits), {})[match.group(2)] = None if name in packed else tuple(info.shape)
     if not blocks:
         return 0
@@ -106,16 +113,16 @@ def count_blocks(header: Header, prefix: str, most: int, source: str, what: str,
             lacking, extra = first.keys() - block.keys(), block.keys() - first.keys()
             if lacking:
                 name, more = _first(lacking)
-                raise error(f"{source} is not a whole {what}: {prefix}{i}.{name} is missing{more} (block 0 has it). "
-                            f"{advice}")
+                raise error(f"{source} is not a whole {what}: {_named(prefix, i, name)} is missing{more} (block 0 "
+                            f"has it). {advice}")
             name, more = _first(extra)
-            raise error(f"{source} holds {prefix}{i}.{name}{more}, which block 0 does not have: the blocks differ, "
-                        f"so it is not a {what}. {advice}")
+            raise error(f"{source} holds {_named(prefix, i, name)}{more}, which block 0 does not have: the blocks "
+                        f"differ, so it is not a {what}. {advice}")
         wrong = [name for name, shape in block.items() if None not in (shape, first[name]) and shape != first[name]]
         if wrong:
             name, more = _first(wrong)
-            raise error(f"{source} does not fit a {what}: {prefix}{i}.{name} has shape {list(block[name])}, block 0's "
-                        f"has {list(first[name])}{more}. {advice}")
+            raise error(f"{source} does not fit a {what}: {_named(prefix, i, name)} has shape {list(block[name])}, "
+                        f"block 0's has {list(first[name])}{more}. {advice}")
     return top + 1
 
 
@@ -134,6 +141,7 @@ def check_structure(header: Header, architecture: Architecture, source: str,
     arch, expected = architecture, architecture.expected
     used, unexpected = [], []
     for name in header:
+        check_cancel()
         if is_ignored(name, arch.ignored):
             continue
         layer, _, suffix = name.rpartition(".")
@@ -144,27 +152,27 @@ def check_structure(header: Header, architecture: Architecture, source: str,
     missing = [name for name in expected if name not in header and name not in arch.optional]
     if missing:
         name, more = _first(missing)
-        raise error(f"{source} is not a whole {arch.name}: {name} is missing{more}. {arch.advice}")
+        raise error(f"{source} is not a whole {arch.name}: {quoted(name)} is missing{more}. {arch.advice}")
     wrong = [name for name in used if not _fits(header[name], expected[name], name in arch.packed)]
     if wrong:
         name, more = _first(wrong)
-        raise error(f"{source} does not fit the {arch.name}: {name} has shape {list(header[name].shape)}, the "
+        raise error(f"{source} does not fit the {arch.name}: {quoted(name)} has shape {list(header[name].shape)}, the "
                     f"{arch.name} needs {list(expected[name])}{more}. {arch.advice}")
     empty = [name for name in used if header[name].numel == 0]
     if empty:
         name, more = _first(empty)
-        raise error(f"{source} holds an empty tensor {name} (shape {list(header[name].shape)}){more}: it is no "
+        raise error(f"{source} holds an empty tensor {quoted(name)} (shape {list(header[name].shape)}){more}: it is no "
                     f"{arch.name}. {arch.advice}")
     if arch.dtypes is not None:
         odd = [name for name in used if header[name].dtype not in arch.dtypes and name not in arch.packed]
         if odd:
             name, more = _first(odd)
-            raise error(f"{source} stores {name} as {header[name].dtype}{more}; the {arch.name}'s weights are "
+            raise error(f"{source} stores {quoted(name)} as {header[name].dtype}{more}; the {arch.name}'s weights are "
                         f"{', '.join(sorted(arch.dtypes))}. {arch.advice}")
     if unexpected:
         name, more = _first(unexpected)
-        raise error(f"{source} holds {name}{more}, which the {arch.name} does not have: the file is from another model "
-                    f"or damaged. {arch.advice}")
+        raise error(f"{source} holds {quoted(name)}{more}, which the {arch.name} does not have: the file is from "
+                    f"another model or damaged. {arch.advice}")
 
 
 def _as_float(tensor: torch.Tensor) -> torch.Tensor:
@@ -174,6 +182,7 @@ def _as_float(tensor: torch.Tensor) -> torch.Tensor:
 def first_non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:
     """The first (natural order) floating-point tensor holding a NaN or an infinity, or None."""
     for name in sorted(tensors, key=natural):
+        check_cancel()
         tensor = tensors[name]
         if tensor.is_floating_point() and not bool(torch.isfinite(_as_float(tensor)).all()):
             return name
@@ -191,6 +200,7 @@ def check_scales(tensors: Mapping[str, torch.Tensor], source: str, advice: str,
         values = tensors[name].float()
         bad = values[~(torch.isfinite(values) & ((values > 0) if values.numel() == 1 else (values >= 0)))]
         if bad.numel():
+            name = quoted(name)
             raise error(f"{source}: the scale {name} is {bad.flatten()[0].item():g}; a scale must be a finite positive "
                         f"number (the weights are multiplied by it: this one would make a black or garbage image). "
                         f"{advice}")

@@ -26,13 +26,13 @@ BLOCKED = sorted(CORE_MODULES | {"folder_paths", "comfy_api"})
 # Paths under nodes/.
 ENGINE = [
     "__init__.py", "errors.py", "model_files.py", "ministral_file.py", "quant_layout.py", "structure.py",
-    "fp8_linear.py", "memory_advice.py",
+    "fp8_linear.py", "memory_advice.py", "cancel.py",
     "gguf/__init__.py", "gguf/dequant.py", "gguf/header.py", "gguf/reader.py",
     "accel/__init__.py", "accel/cache.py", "accel/cache_presets.py", "accel/compile.py",
     "quant/__init__.py", "quant/capability.py", "quant/choice.py", "quant/quantize.py", "quant/requantize.py",
     "quant/saved.py", "quant/torchao_file.py",
     "dit/attention.py", "dit/dit.py", "dit/schedule.py", "dit/weights.py",
-    "lora/__init__.py", "lora/keys.py",
+    "lora/__init__.py", "lora/keys.py", "lora/files.py",
     "parallel/__init__.py", "parallel/pool.py", "parallel/split.py",
     "pe/__init__.py", "pe/protocol.py", "pe/cache.py", "pe/runtime.py",
     "pe/local/__init__.py", "pe/local/enhancer.py", "pe/local/weights.py", "pe/local/decode.py",

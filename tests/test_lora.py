@@ -7,6 +7,8 @@ the tiny DiT, and a merged reference is the same DiT with ``strength · scale ·
 from __future__ import annotations
 
 import json
+import re
+import time
 from collections.abc import Callable
 
 import comfy.sd
@@ -17,7 +19,8 @@ from safetensors.torch import save_file
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.lora.patching import apply_lora
 from helpers.accel import sample, tiny_patcher
-from helpers.lora import ALPHA, LAYERS, LAYOUTS, OTHER_LAYERS, RANK, deltas, lora_file, merged, rewrite
+from helpers.lora import ALPHA, BLOCK_LINEARS, LAYERS, LAYOUTS, OTHER_LAYERS, RANK, deltas, lora_file, merged, rewrite
+from helpers.parses import count_header_parses
 from helpers.reference import max_level_difference, reference_image, saved_image
 from helpers.workflows import text_to_image
 
@@ -207,11 +210,6 @@ def test_lycoris_adapters_and_dora_reach_cores_weight_adapters(tiny_models, plai
     torch.testing.assert_close(ours, sample(reference), atol=1 / 255, rtol=0)
 
 
-BLOCK_LINEARS = {"self_attention.to_q": (64, 64), "self_attention.to_k": (64, 64), "self_attention.to_v": (64, 64),
-                 "self_attention.to_out.0": (64, 64), "mlp.gate_proj": (128, 64), "mlp.up_proj": (128, 64),
-                 "mlp.linear_fc2": (64, 128)}  # the tiny DiT's 7 linear layers in each of its 10 blocks
-
-
 def test_a_lora_one_column_too_wide_is_reported_as_applied_to_none_of_its_layers(comfy_server, placed):
     """Core takes such patches and, when the model loads, logs an ERROR line for each and leaves the weight alone:
     the node said "applied 70 of its 70 layers" over 70 ERROR lines. Now none is handed to core, the node says
@@ -297,3 +295,97 @@ def test_a_lora_header_of_150000_names_is_refused_before_it_is_parsed(tiny_model
     with pytest.raises(ErnieImageError, match=r"many_names\.safetensors declares a 13 MiB list of tensors \(model "
                                               r"files have well under 8 MiB\): it is not a model file this pack loads"):
         ErnieImageLoraLoader.execute(tiny_patcher(tiny_models["snapshot"]), "many_names.safetensors", 1.0)
+
+
+# Issue 41: a LoRA's header parsed once, its tensors capped, its numbers bounded, its layers counted, its names cut.
+
+def _node(tiny_models, lora_name: str):
+    """What an ``ErnieImageLoraLoader`` node runs at strength 1 on the tiny DiT (its file from models/loras), but
+    showing its report on the node: the patched MODEL."""
+    from comfyui_ernie_image.nodes.lora.files import read_lora
+    from comfyui_ernie_image.nodes.paths import model_file_path
+
+    lora = read_lora(model_file_path("loras", lora_name), lora_name)
+    return apply_lora(tiny_patcher(tiny_models["snapshot"]), lora, 1.0, lora_name)[0]
+
+
+def test_a_lora_of_10000_tensors_has_its_header_parsed_once(tiny_models, placed, monkeypatch):
+    """Main parsed the whole header again for each tensor: 10 000 empty tensors took 92 s on the audit's machine."""
+    tensors = lora_file("ai-toolkit", deltas(LAYERS, seed=13))
+    tensors |= {f"diffusion_model.layers.0.extra_{i}.lora_A.weight": torch.zeros(0) for i in range(10_000 - 6)}
+    save_file(tensors, placed("loras", "ten_thousand.safetensors"))
+    parses = count_header_parses(monkeypatch)
+    start = time.perf_counter()
+    patched = _node(tiny_models, "ten_thousand.safetensors")
+    print(f"10 000 tensors: loaded in {time.perf_counter() - start:.2f} s")
+    assert parses["ten_thousand.safetensors"] == 1
+    assert len(patched.patches) == 3
+
+
+def test_a_lora_of_more_tensors_than_any_ernie_lora_is_refused_before_one_is_read(tiny_models, placed, monkeypatch):
+    from comfyui_ernie_image.nodes.lora.files import MAX_TENSORS
+
+    tensors = {f"diffusion_model.layers.0.extra_{i}.lora_A.weight": torch.zeros(0) for i in range(MAX_TENSORS + 1)}
+    save_file(tensors, placed("loras", "too_many.safetensors"))
+    count_header_parses(monkeypatch)
+    with pytest.raises(ErnieImageError, match=r"LoRA too_many\.safetensors holds 20001 tensors; a LoRA for every layer "
+                                              r"of ERNIE-Image's DiT and text encoder has some 4 000, so this file is "
+                                              r"not an ERNIE-Image LoRA \(at most 20000 are read\)\. Pick another"):
+        _node(tiny_models, "too_many.safetensors")
+
+
+@pytest.mark.parametrize("layout, key, value", [
+    ("peft", "transformer.layers.3.mlp.up_proj.lora_B.weight", 1e20),
+    ("onetrainer", "transformer.layers.3.mlp.up_proj.alpha", 3e38),
+])
+def test_a_lora_past_the_weights_range_is_refused_naming_the_file_and_key(tiny_models, placed, layout, key, value):
+    """Finite but absurd: main reported "applied 3 of 3" and every output was NaN. The same file with sane numbers
+    still applies."""
+    tensors = lora_file(layout, deltas(LAYERS, seed=14))
+    save_file(tensors, placed("loras", f"sane_{layout}.safetensors"))
+    assert len(_node(tiny_models, f"sane_{layout}.safetensors").patches) == 3
+    if key.endswith("alpha"):
+        tensors[key] = torch.tensor(value)
+    else:
+        tensors[key][5, 1] = value
+    save_file(tensors, placed("loras", f"absurd_{layout}.safetensors"))
+    words = (rf"LoRA absurd_{layout}\.safetensors: transformer\.layers\.3\.mlp\.up_proj would change its weight by "
+             r"up to [0-9.e+]+ at strength 1, past the largest number half precision holds \(65504; a LoRA changes a "
+             r"weight by well under 1\): the image would be black or noise\. Its largest number is "
+             rf"{re.escape(f'{value:.3g}')}, in {re.escape(key)}\. The file is damaged or its training diverged: pick "
+             r"another LoRA\.")
+    with pytest.raises(ErnieImageError, match=words):
+        _node(tiny_models, f"absurd_{layout}.safetensors")
+
+
+def test_an_alpha_of_three_numbers_is_refused_in_words(tiny_models, placed):
+    """Main raised core's RuntimeError ("a Tensor with 3 elements cannot be converted to Scalar")."""
+    tensors = lora_file("kohya", deltas(LAYERS, seed=15))
+    tensors["lora_unet_layers_0_self_attention_to_q.alpha"] = torch.tensor([2.0, 2.0, 2.0])
+    save_file(tensors, placed("loras", "alpha_of_three.safetensors"))
+    with pytest.raises(ErnieImageError, match=r"LoRA alpha_of_three\.safetensors: lora_unet_layers_0_self_attention_"
+                                              r"to_q\.alpha has shape \[3\]; a LoRA's alpha is one number \(its "
+                                              r"layer's scale is alpha / rank\)\. The file is damaged"):
+        _node(tiny_models, "alpha_of_three.safetensors")
+
+
+def test_a_diff_and_a_diff_b_on_one_layer_count_as_one_layer(tiny_models):
+    """Main said "applied 2 of its 1 diffusion-model layers": it counted patches (weight and bias), not layers."""
+    model = tiny_patcher(tiny_models["snapshot"])
+    parameters = dict(model.model.diffusion_model.named_parameters())
+    lora = {f"diffusion_model.final_linear.{suffix}": torch.full_like(parameters[f"final_linear.{name}"], 0.01)
+            for suffix, name in (("diff", "weight"), ("diff_b", "bias"))}
+    patched, report = apply_lora(model, lora, 1.0, "diffs")
+    assert report.text() == "LoRA diffs: applied 1 of its 1 diffusion-model layers"
+    assert sorted(patched.patches) == ["diffusion_model.final_linear.bias", "diffusion_model.final_linear.weight"]
+
+
+def test_an_8_mib_key_is_quoted_cut_short(tiny_models, placed):
+    """Main echoed the name whole into an 8-million-character error."""
+    key = "transformer.layers.0." + "x" * (8 * 2**20 - 2**16) + ".lora_A.weight"
+    save_file({key: torch.tensor([float("nan")])}, placed("loras", "long_key.safetensors"))
+    with pytest.raises(ErnieImageError) as error:
+        _node(tiny_models, "long_key.safetensors")
+    message = str(error.value)
+    assert len(message) < 2000, message[:300]
+    assert message.startswith(f"LoRA long_key.safetensors: {key[:200]}… ({len(key)} characters) holds NaN")

@@ -11,11 +11,14 @@ import inspect
 import json
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import folder_paths
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from comfyui_ernie_image.nodes.dit.nodes import ErnieImageVAELoader
 from comfyui_ernie_image.nodes.errors import ErnieImageError
@@ -25,6 +28,7 @@ from comfyui_ernie_image.nodes.paths import snapshot_names, snapshot_path
 from comfyui_ernie_image.nodes.pe.nodes import ErnieImagePELoader
 from comfyui_ernie_image.nodes.text.nodes import ErnieImageTextEncoderLoader
 from helpers.files import linked_copy
+from helpers.parses import count_header_parses
 
 SNAPSHOT = "ERNIE-Image-Turbo-tiny"
 LOADERS = ("ErnieImageLoader", "ErnieImageDiTLoader", "ErnieImageTextEncoderLoader", "ErnieImagePELoader")
@@ -190,3 +194,70 @@ def test_loops_fifos_and_huge_indexes_cannot_stall_the_model_list(tiny_models, t
     (diffusers / "huge" / "model_index.json").write_text('{"_class_name": "ErnieImagePipeline"}' + " " * (2 << 20))
     monkeypatch.setitem(folder_paths.folder_names_and_paths, "diffusers", ([str(diffusers)], set()))
     assert _within(20, snapshot_names) == ["good"]
+
+
+# Issue 41: a safetensors header is parsed once per file and load, Cancel stops a DiT load between tensors, and no
+# error quotes a whole name from a file.
+
+
+def test_a_dit_checkpoint_of_85000_foreign_keys_has_its_header_parsed_once(tiny_models, placed, monkeypatch):
+    """The DiT under ComfyUI's checkpoint prefix beside 85 000 empty tensors of other models: main parsed the whole
+    header again for each of the DiT's tensors (12 s on the audit's machine)."""
+    tensors = {f"model.diffusion_model.{k}": v for k, v in load_file(tiny_models["single_file"]).items()}
+    tensors |= {f"first_stage_model.part_{i}.weight": torch.zeros(0) for i in range(85_000)}
+    save_file(tensors, placed("diffusion_models", "foreign_keys.safetensors"))
+    parses = count_header_parses(monkeypatch)
+    start = time.perf_counter()
+    model = ErnieImageDiTLoader.execute("foreign_keys.safetensors", "default", "none").result[0]
+    print(f"85 000 foreign keys: loaded in {time.perf_counter() - start:.2f} s")
+    assert parses == {"foreign_keys.safetensors": 1}
+    assert len(model.model.diffusion_model.layers) == 10
+
+
+EIGHT_MIB_NAME = "first_stage_model." + "x" * (8 * 2**20 - 2**16)  # the header still fits under its 8 MiB cap
+
+
+@pytest.mark.parametrize("where", ["beside the DiT", "in block 0"])
+def test_an_8_mib_tensor_name_is_quoted_cut_short(tiny_models, placed, where):
+    """Main echoed the name whole: an 8.4-million-character error. (In block 0, the error names block 1's key
+    that is missing.)"""
+    name = EIGHT_MIB_NAME if where == "beside the DiT" else "layers.0." + EIGHT_MIB_NAME
+    save_file({**load_file(tiny_models["single_file"]), name: torch.zeros(1)},
+              placed("diffusion_models", "long.safetensors"))
+    with pytest.raises(ErnieImageError) as error:
+        ErnieImageDiTLoader.execute("long.safetensors", "default", "none")
+    message = str(error.value)
+    assert len(message) < 2000, message[:300]
+    assert "long.safetensors" in message and EIGHT_MIB_NAME[:150] in message and "characters)" in message
+
+
+def _safetensors_bytes(header: dict, data: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + data
+
+
+@pytest.mark.parametrize("header, data, words", [
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4,
+     "a, a F32 tensor of shape [2], is given 4 bytes"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+      "b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4,
+     "the bytes of b start at 0, not where the tensor before ends (4)"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8,
+     "the bytes of a start at 4, not where the tensor before ends (0)"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, "its tensors end at byte"),
+    ({"a": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, "a has the unknown dtype"),
+    ({"a": {"dtype": "F32", "shape": [1] * 9, "data_offsets": [0, 4]}}, b"\0" * 4, "a has no shape of at most 8"),
+    ({"__metadata__": {"format": 1}}, b"", "its __metadata__ is not a JSON object of strings"),
+    ([], b"", "its header is not a JSON object"),
+])
+def test_a_damaged_safetensors_header_is_refused_naming_the_file(tmp_path, header, data, words):
+    """What safetensors checked on main (a tensor's bytes fit its dtype and shape; the tensors fill the data one
+    after another) the pack's own reader checks, so that each file's header is parsed once."""
+    from comfyui_ernie_image.nodes.model_files import read_header
+
+    path = tmp_path / "damaged.safetensors"
+    path.write_bytes(_safetensors_bytes(header, data))
+    with pytest.raises(ErnieImageError) as error:
+        read_header(path)
+    assert str(error.value).startswith(f"Cannot read {path} ({words}")
+    assert "The file is damaged or incomplete (an interrupted download?): download it again." in str(error.value)

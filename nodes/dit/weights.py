@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ErnieImageError
+from ..errors import ErnieImageError, quoted
 from ..model_files import Header, read_folder_headers, read_header, read_json, read_safetensors, read_tensors
 from ..quant_layout import CONFIG_SUFFIX, SCALED_MARKER, header_layers, header_metadata
 from ..structure import QUANTIZED_SUFFIXES, SCALE_SUFFIXES, Architecture, check_scales, check_structure, count_blocks
@@ -64,7 +64,7 @@ def _describe_foreign(keys: list[str]) -> str:
         return "it looks like a Wan video model"  # community GGUFs of Wan have these names
     if any(".self_attn." in k for k in keys):
         return "it looks like a text encoder or language model"
-    return f"its first keys are {keys[:3]}"
+    return f"its first keys are {[quoted(k) for k in keys[:3]]}"
 
 
 def check_dit_keys(keys: list[str], source: str) -> None:

@@ -1,6 +1,7 @@
-"""Core's LoRA reading: its key conversions and weight adapters (LoRA, DoRA, LoHa, LoKr, diffs), and whether a
+"""Core's LoRA reading: its key conversions and weight adapters (LoRA, DoRA, LoHa, LoKr, diffs), whether a
 patch core read fits the weight it names (core itself, given one that does not, logs an error when the model loads and
-leaves the weight as it was; 0.3.75 has no ``comfy.lora.calculate_shape`` to ask)."""
+leaves the weight as it was; 0.3.75 has no ``comfy.lora.calculate_shape`` to ask), and how large a change it can make
+(core adds a change past the weight's range as it is: a black or noise image)."""
 
 from __future__ import annotations
 
@@ -98,3 +99,51 @@ def misfit(patch, shape: tuple[int, ...]) -> str | None:
     except (RuntimeError, ValueError) as e:
         return f"{e}".split("\n")[0]
     return None
+
+
+def _largest(tensor: torch.Tensor) -> float:
+    return float(tensor.detach().double().abs().max()) if tensor.numel() else 0.0
+
+
+def _product_bound(a: torch.Tensor, b: torch.Tensor, tucker: torch.Tensor | None = None) -> float:
+    """The largest magnitude an entry of ``_product(a, b, tucker)`` can have, without making the product: each row of
+    ``|a|`` against the largest entry of each row of ``|b|`` (a sum over the Tucker core's sides for LyCORIS')."""
+    a, b = a.detach().double().abs().flatten(1), b.detach().double().abs().flatten(1)
+    if tucker is not None:  # "i j k l, j r, i p -> p r k l": |t| times a column sum of |a| and one of |b|
+        return _largest(tucker) * float(a.sum(0).max()) * float(b.sum(0).max())
+    return float((a @ b.amax(dim=1)).max()) if a.numel() and b.numel() else 0.0
+
+
+def _scale(alpha: float | None, rank: int | None) -> float:
+    """Core's ``alpha / rank`` (1 without an alpha); an alpha over rank 0 is infinite (core divides by zero)."""
+    if alpha is None or rank is None:
+        return 1.0
+    return abs(alpha) / rank if rank else math.inf
+
+
+def largest_change(patch, strength: float) -> float | None:
+    """The largest change ``patch`` can make to one number of its weight at ``strength`` (by core's formula for each
+    kind, bounded without making the weight: a few row sums of its factors); None for the kinds this does not model
+    (OFT, BOFT, GLoRA)."""
+    if isinstance(patch, tuple):  # ("diff", (tensor,)) adds, ("set", (tensor,)) replaces
+        return _largest(patch[1][0]) * (abs(strength) if patch[0] == "diff" else 1.0)
+    v, kind = patch.weights, type(patch).__name__
+    if kind == "LoRAAdapter":
+        up, down, alpha, mid = v[:4]
+        rank = down.shape[0]
+        if mid is not None:  # LoCon's middle weight, folded into the down weight as core does (a small product)
+            down = (torch.mm(down.transpose(0, 1).flatten(1).double(), mid.transpose(0, 1).flatten(1).double())
+                    .reshape(down.shape[1], down.shape[0], *mid.shape[2:]).transpose(0, 1))
+        change = _scale(alpha, rank) * _product_bound(up, down)
+    elif kind == "LoHaAdapter":
+        w1a, w1b, alpha, w2a, w2b, t1, t2 = v[:7]
+        change = _scale(alpha, w1b.shape[0]) * _product_bound(w1a, w1b, t1) * _product_bound(w2a, w2b, t2)
+    elif kind == "LoKrAdapter":
+        w1, w2, alpha, w1a, w1b, w2a, w2b, t2 = v[:8]
+        rank = w2b.shape[0] if w2 is None else w1b.shape[0] if w1 is None else None
+        first = _largest(w1) if w1 is not None else _product_bound(w1a, w1b)
+        second = _largest(w2) if w2 is not None else _product_bound(w2a, w2b, t2)
+        change = _scale(alpha, rank) * first * second
+    else:
+        return None
+    return abs(strength) * change

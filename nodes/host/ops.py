@@ -18,7 +18,7 @@ import comfy.ops
 import comfy.quant_ops
 import torch
 
-from ..errors import ErnieImageError
+from ..errors import ErnieImageError, quoted
 from ..quant_layout import CONFIG_SUFFIX, QuantLayers, config_tensor
 
 NEWEST_CHECKED = "0.38.1"  # the newest core whose QUANT_ALGOS was read (comfy/quant_ops.py @0271a469)
@@ -63,7 +63,7 @@ def _refuse_missing_formats(quantized: QuantLayers) -> None:
     newer = (f"ComfyUI {NEWEST_CHECKED} loads it" if missing[0] in NEWEST_FORMATS
              else f"no ComfyUI up to {NEWEST_CHECKED} knows it")
     raise ErnieImageError(
-        f"This DiT file stores layers as {missing[0]} (first: {layer}), a quantization format this ComfyUI "
+        f"This DiT file stores layers as {missing[0]} (first: {quoted(layer)}), a quantization format this ComfyUI "
         f"({_core_version()}) cannot load; {newer}. Update ComfyUI, or use an fp8 or bf16 file of the model.")
 
 

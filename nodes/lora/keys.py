@@ -35,13 +35,16 @@ _FOREIGN = (  # (a part of a layer name, the model family it belongs to), most t
 )
 
 
+def layer_name(key: str) -> str:
+    """The layer a LoRA file's key belongs to (``transformer.layers.0.attn.to_q.lora_A.weight`` →
+    ``transformer.layers.0.attn.to_q``)."""
+    match = _SUFFIX.search(key)
+    return key[: match.start()] if match else key
+
+
 def layer_names(keys: list[str]) -> set[str]:
     """The layer names of a LoRA file's keys (each layer has several keys: A and B, alpha, …)."""
-    names = set()
-    for key in keys:
-        match = _SUFFIX.search(key)
-        names.add(key[: match.start()] if match else key)
-    return names
+    return {layer_name(key) for key in keys}
 
 
 def key_map(model_weight_keys: list[str]) -> dict[str, str]:

@@ -7,8 +7,8 @@ import logging
 from comfy_api.v0_0_2 import io
 
 from ..host.sampling import show_on_node
-from ..model_files import read_safetensors
 from ..paths import check_choice, model_file_path, safetensors_names
+from .files import read_lora
 from .patching import apply_lora
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class ErnieImageLoraLoader(io.ComfyNode):
     def execute(cls, model, lora_name: str, strength_model: float) -> io.NodeOutput:
         if strength_model == 0:
             return io.NodeOutput(model)  # as core's loaders: nothing read, nothing patched
-        lora = read_safetensors(model_file_path("loras", lora_name))
+        lora = read_lora(model_file_path("loras", lora_name), lora_name)
         patched, report = apply_lora(model, lora, strength_model, lora_name)
         log.log(logging.WARNING if report.few or report.misfits else logging.INFO, "ERNIE-Image %s", report.text())
         show_on_node(cls.hidden.unique_id, report.text())

@@ -13,6 +13,9 @@ LAYERS = ("layers.0.self_attention.to_q", "layers.3.mlp.up_proj", "layers.5.self
 OTHER_LAYERS = ("layers.1.mlp.linear_fc2", "layers.2.self_attention.to_v")
 LAYOUTS = ("ai-toolkit", "peft", "peft-base-model", "onetrainer", "kohya")
 ALPHA = {"onetrainer": 8.0, "kohya": 2.0}  # OneTrainer and kohya write alpha; scale = alpha / rank
+BLOCK_LINEARS = {"self_attention.to_q": (64, 64), "self_attention.to_k": (64, 64), "self_attention.to_v": (64, 64),
+                 "self_attention.to_out.0": (64, 64), "mlp.gate_proj": (128, 64), "mlp.up_proj": (128, 64),
+                 "mlp.linear_fc2": (64, 128)}  # the tiny DiT's 7 linear layers in each of its 10 blocks
 
 
 def deltas(layers: tuple[str, ...], seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
