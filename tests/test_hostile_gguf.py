@@ -1,7 +1,7 @@
 """GGUF DiT files, good and hostile, through the DiT loader node a user picks them with: listed under the one
 model-choice grammar, loaded by their tensor names whatever ``general.architecture`` says, and each bad one refused
 in words (the file, the first bad tensor, what to do): a bad header before any weight is read, a bad value
-before the model is given out.
+before the model is given out; Cancel stops a load within a tensor.
 
 The files are written with the ``gguf`` package (``scripts.gguf_writer``), the hostile headers byte by byte. Loads
 that a reader without bounds would turn into an endless loop or a memory bomb run in a capped child process with a
@@ -14,7 +14,9 @@ import json
 import logging
 import re
 import struct
+import time
 
+import comfy.model_management as mm
 import gguf
 import numpy as np
 import pytest
@@ -370,3 +372,18 @@ def test_a_big_endian_gguf_is_refused_by_name(placed, state):
                        r".*big-endian\.gguf little` .* or download the little-endian file\.$"):
         load(listed(path))
 
+
+def test_cancel_stops_a_gguf_load_within_one_tensor_and_the_next_load_runs(placed, state, monkeypatch):
+    """A DiT file of 256 blocks (2,829 tensors, 7 MiB): Cancel pressed as the tenth tensor is read."""
+    path = placed_gguf(placed, "ernie-image-256-blocks.gguf", _deep(state))
+    reads = _counted_reads(monkeypatch, lambda count: count == 10 and mm.interrupt_current_processing(True))
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            load(listed(path))
+    finally:
+        mm.interrupt_current_processing(False)
+    interrupted, start = len(reads), time.perf_counter()
+    assert interrupted <= 11, interrupted  # the one in hand at most
+    assert isinstance(load(listed(path)), GGUFModelPatcher)
+    print(f"uninterrupted: {len(reads) - interrupted} tensors read in {time.perf_counter() - start:.1f} s")
+    assert len(reads) - interrupted == len(_deep(state)) > 2800
