@@ -89,12 +89,14 @@ def encode(kind: str, value: torch.Tensor, shape: tuple[int, ...], rng: np.rando
 
 def write_gguf(path: Path, tensors: Mapping[str, torch.Tensor], kind: Callable[[str, torch.Tensor], str],
                arch: str = "flux", prefix: str = "", seed: int = 0,
-               extra: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
+               extra: Callable[[gguf.GGUFWriter], None] | None = None,
+               endianess: gguf.GGUFEndian = gguf.GGUFEndian.LITTLE) -> Path:
     """``tensors`` as a GGUF file, each stored as ``kind(name, tensor)``, names under ``prefix``; ``extra`` may add
-    fields (it runs before the header is written)."""
+    fields (it runs before the header is written); ``endianess`` BIG: as the writer lays a file out for big-endian
+    machines (numbers byte-swapped, K-quant blocks as they are)."""
     rng = np.random.default_rng(seed)
     path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf.GGUFWriter(str(path), arch, endianess=endianess)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     layout = {}
     for name, value in tensors.items():

@@ -1,29 +1,46 @@
 """GGUF DiT files, good and hostile, through the DiT loader node a user picks them with: listed under the one
 model-choice grammar, loaded by their tensor names whatever ``general.architecture`` says, and each bad one refused
 in words (the file, the first bad tensor, what to do): a bad header before any weight is read, a bad value
-before the model is given out.
+before the model is given out; Cancel stops a load within a tensor.
 
 The files are written with the ``gguf`` package (``scripts.gguf_writer``), the hostile headers byte by byte. Loads
 that a reader without bounds would turn into an endless loop or a memory bomb run in a capped child process with a
-timeout (``helpers.bounded``).
+timeout (``helpers.bounded``), which also measures what reading a heavy header costs in memory.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import struct
+import time
 
+import comfy.model_management as mm
+import gguf
+import numpy as np
 import pytest
 import torch
 
 from comfyui_ernie_image.nodes.dit.gguf import build_gguf_dit, read_gguf_dit
+from comfyui_ernie_image.nodes.dit.weights import MAX_BLOCKS
 from comfyui_ernie_image.nodes.errors import ErnieImageError
+from comfyui_ernie_image.nodes.gguf.header import HeaderError, walk_header
+from comfyui_ernie_image.nodes.gguf.reader import GGUFTensor, read_gguf
 from comfyui_ernie_image.nodes.host.gguf_layers import GGUFModelPatcher
 from comfyui_ernie_image.nodes.loaders import DIT_MODELS, ErnieImageDiTLoader
 from helpers.bounded import run_bounded
 from helpers.files import replace_bytes
-from helpers.gguf_files import gguf_string, raw_header, scale_offset, set_tensor_type
+from helpers.gguf_files import (
+    f32_gguf,
+    gguf_string,
+    one_blob_gguf,
+    raw_header,
+    scale_offset,
+    set_tensor_offset,
+    set_tensor_type,
+    tensor_offset,
+)
 from scripts.gguf_writer import mixed_kind, uniform_kind, write_gguf
 from scripts.tiny_models import tiny_dit_state
 
@@ -234,3 +251,139 @@ def test_a_header_made_to_hang_or_exhaust_memory_is_refused_at_once(placed):
     for message, (name, (_, words)) in zip(messages, BOMBS.items(), strict=True):
         assert name in message and words in message and "download it again" in message, message
     assert report["rss_growth_mb"] < 50, report
+
+
+def _deep(state, blocks: int = MAX_BLOCKS) -> dict[str, torch.Tensor]:
+    """The tiny DiT with ``blocks`` blocks, block i a copy of block i % 10: as many tensors as a DiT file may have."""
+    rest = {k: v for k, v in state.items() if not k.startswith("layers.")}
+    block = {k.split(".", 2)[2]: v for k, v in state.items() if k.startswith("layers.0.")}
+    return {**rest, **{f"layers.{i}.{k}": v for i in range(blocks) for k, v in block.items()}}
+
+
+def _counted_reads(monkeypatch, after_read=lambda count: None) -> list[int]:
+    """Where each tensor the loader reads from now on lies, in order; ``after_read(count)`` runs after each read."""
+    reads, read = [], GGUFTensor.read
+
+    def counted(tensor):
+        data = read(tensor)
+        reads.append(tensor.offset)
+        after_read(len(reads))
+        return data
+
+    monkeypatch.setattr(GGUFTensor, "read", counted)
+    return reads
+
+
+def test_tensors_that_share_bytes_are_refused_before_any_is_read(placed, state, monkeypatch):
+    """Issue 41's memory bomb: every tensor of a 256-block DiT at one blob (a 0.3 MiB file declaring 40 MiB here)."""
+    reads = _counted_reads(monkeypatch)
+    blob = one_blob_gguf(placed("diffusion_models", "one-blob.gguf"), {k: tuple(v.shape) for k, v in
+                                                                        _deep(state).items()})
+    with pytest.raises(ErnieImageError, match=r"one-blob\.gguf as a GGUF file: it declares tensors of \d+ bytes in "
+                       r"all, more than the \d+ bytes of data it holds, which no GGUF writer makes \(each tensor has "
+                       r"bytes of its own\)\. The file is damaged or was crafted to exhaust memory: download it again"):
+        load(listed(blob))
+    shared = placed_gguf(placed, "shared-bytes.gguf", state)
+    to_q = tensor_offset(shared, "layers.2.self_attention.to_q.weight")
+    set_tensor_offset(shared, "layers.3.mlp.up_proj.weight", to_q)
+    with pytest.raises(ErnieImageError, match=r"shared-bytes\.gguf as a GGUF file: it declares the tensors "
+                       r"layers\.2\.self_attention\.to_q\.weight and layers\.3\.mlp\.up_proj\.weight in the same bytes "
+                       r"\(bytes \d+ to \d+ of the data\), which no GGUF writer makes .* crafted to exhaust memory"):
+        load(listed(shared))
+    long_names = f32_gguf(placed("diffusion_models", "long-names.gguf"),
+                          {"a" * 60_000: ((64,), 0), "b" * 60_000: ((64,), 128)}, 512)
+    with pytest.raises(ErnieImageError, match=r"the tensors a{200}… \(60000 characters\) and b{200}… \(60000 "
+                       r"characters\) in the same bytes") as raised:
+        load(listed(long_names))
+    assert len(str(raised.value)) < 1000 and not reads
+
+
+# Headers within the caps that gguf.GGUFReader took seconds and gigabytes over (issue 41), one field each.
+HEAVY = {
+    "empty-strings.gguf": struct.pack("<IIQ", 9, 8, 1 << 20) + bytes(8 << 20),
+    "nested-arrays.gguf": struct.pack("<IIQ", 9, 9, 1000) + (struct.pack("<IQ", 5, 1000) + bytes(4000)) * 1000,
+    "byte-array.gguf": struct.pack("<IIQ", 9, 0, 1 << 20) + bytes(1 << 20),
+}
+_EACH_MEASURED = """
+from pathlib import Path
+growth = {{}}
+for name in {names!r}:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    start = status("VmRSS")
+    read_gguf(Path({folder!r}) / name)
+    growth[name] = status("VmHWM") - start
+raise ErnieImageError(json.dumps(growth))
+"""
+
+
+def test_a_heavy_header_within_the_caps_is_read_in_memory_below_twice_its_size(placed):
+    """Each header read in a child process capped at 512 MiB: its peak resident memory grows by less than twice the
+    header's bytes (the file's pages the walk touches count too)."""
+    sizes = {}
+    for name, field in HEAVY.items():
+        path = placed("diffusion_models", name)
+        path.write_bytes(raw_header(gguf_string("heavy") + field, field_count=1))
+        sizes[name] = path.stat().st_size
+    warm = placed("diffusion_models", "warm.gguf")
+    warm.write_bytes(raw_header(gguf_string("light") + struct.pack("<IIQ", 9, 8, 1) + gguf_string("x"), field_count=1))
+    report = run_bounded(_EACH_MEASURED.format(names=list(HEAVY), folder=str(warm.parent)),
+                         folders={"diffusion_models": warm.parent}, timeout_s=120,
+                         setup="import json\nfrom comfyui_ernie_image.nodes.errors import ErnieImageError\n"
+                               "from comfyui_ernie_image.nodes.gguf.reader import read_gguf\n"
+                               f"read_gguf(__import__('pathlib').Path({str(warm)!r}))")
+    assert report["outcome"] == "ErnieImageError", report
+    growth = json.loads(report["message"])
+    for name, size in sizes.items():
+        print(f"{name}: {size / 2**20:.2f} MiB header, peak RSS +{growth[name] / 2**20:.2f} MiB")
+        assert growth[name] < 2 * size, (name, growth[name], size)
+
+
+def test_a_tokenizer_within_the_caps_is_skipped_by_the_loader_and_read_on_demand_bounded(placed):
+    """A Ministral text encoder's tokenizer (131,072 tokens and their merges): what a later reader asks for."""
+    tokens = [f"tok{i}" for i in range(131_072)]
+    merges = [f"t ok{i}" for i in range(100_000)]
+
+    def tokenizer(writer):
+        writer.add_array("tokenizer.ggml.tokens", tokens)
+        writer.add_array("tokenizer.ggml.token_type", [1] * len(tokens))
+        writer.add_array("tokenizer.ggml.merges", merges)
+
+    path = write_gguf(placed("text_encoders", "ministral-tokenizer.gguf"), {"output_norm.weight": torch.ones(64)},
+                      mixed_kind, arch="mistral3", extra=tokenizer)
+    assert read_gguf(path).architecture == "mistral3"
+    sizes = {int(kind): size for kind, size in gguf.GGML_QUANT_SIZES.items()}
+    header = walk_header(path, sizes, lambda key: key.startswith("tokenizer."))
+    assert header.field("tokenizer.ggml.tokens", 4 << 20) == tokens
+    assert header.field("tokenizer.ggml.merges", 4 << 20) == merges
+    token_type = header.field("tokenizer.ggml.token_type", 4 << 20)
+    assert token_type.dtype == np.int32 and token_type.tolist() == [1] * len(tokens)
+    assert header.field("general.architecture", 4 << 20) is None  # not asked for
+    with pytest.raises(HeaderError, match=r"the field tokenizer\.ggml\.tokens of \d+ bytes \(at most 65536 are read "
+                       r"of it\)"):
+        header.field("tokenizer.ggml.tokens", 1 << 16)
+
+
+def test_a_big_endian_gguf_is_refused_by_name(placed, state):
+    """Written by the gguf package's writer for big-endian machines: every number in it byte-swapped."""
+    path = placed_gguf(placed, "big-endian.gguf", state, endianess=gguf.GGUFEndian.BIG)
+    with pytest.raises(ErnieImageError, match=rf"^{re.escape(str(path))} is a big-endian GGUF; this pack reads "
+                       r"little-endian files: convert it with the gguf package's `gguf-convert-endian "
+                       r".*big-endian\.gguf little` .* or download the little-endian file\.$"):
+        load(listed(path))
+
+
+def test_cancel_stops_a_gguf_load_within_one_tensor_and_the_next_load_runs(placed, state, monkeypatch):
+    """A DiT file of 256 blocks (2,829 tensors, 7 MiB): Cancel pressed as the tenth tensor is read."""
+    path = placed_gguf(placed, "ernie-image-256-blocks.gguf", _deep(state))
+    reads = _counted_reads(monkeypatch, lambda count: count == 10 and mm.interrupt_current_processing(True))
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            load(listed(path))
+    finally:
+        mm.interrupt_current_processing(False)
+    interrupted, start = len(reads), time.perf_counter()
+    assert interrupted <= 11, interrupted  # the one in hand at most
+    assert isinstance(load(listed(path)), GGUFModelPatcher)
+    print(f"uninterrupted: {len(reads) - interrupted} tensors read in {time.perf_counter() - start:.1f} s")
+    assert len(reads) - interrupted == len(_deep(state)) > 2800

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..cancel import check_cancel
 from ..errors import ErnieImageError
 from ..gguf.dequant import BLOCKS, SUPPORTED, UNSUPPORTED_ADVICE, dequantize
 from ..gguf.reader import GGUFTensor, first_bad_value, read_gguf
@@ -91,7 +92,7 @@ def read_gguf_dit(path: Path) -> tuple[dict[str, GGUFTensor], dict]:
 def build_gguf_dit(tensors: dict[str, GGUFTensor], config: dict, dtype: torch.dtype) -> ErnieImageDiffusionModel:
     """The DiT with ``config``'s architecture computing in ``dtype``: its linear layers hold the file's blocks, every
     other tensor is decoded into ``dtype``. ``tensors``' header is checked already (``read_gguf_dit``); their values
-    are checked here as each is read."""
+    are checked here as each is read, and Cancel before each is read."""
     with torch.device("meta"):
         model = ErnieImageDiffusionModel(**config, dtype=dtype, operations=GGUFOperations,
                                          attention=AttentionPlan(*attention.core_attention_choice()))
@@ -99,6 +100,7 @@ def build_gguf_dit(tensors: dict[str, GGUFTensor], config: dict, dtype: torch.dt
               if isinstance(module, torch.nn.Linear)}
     plain = {}
     for key in sorted(tensors, key=natural):
+        check_cancel()
         tensor = tensors[key]
         data = tensor.read()
         bad = first_bad_value(key, tensor.kind, data)

@@ -1,11 +1,12 @@
-"""Read a GGUF model file with the ``gguf`` package, as names, types, shapes and where each tensor's bytes lie
-(engine: no ComfyUI here; ``gguf`` and torch).
+"""Read a GGUF model file as names, types, shapes and where each tensor's bytes lie (engine: no ComfyUI here; the
+``gguf`` package's type table, and torch).
 
-The header is walked with bounds first (``header.py``); then ``gguf.GGUFReader`` parses it. Nothing is read of the
-data until the caller has checked the names and shapes (``GGUFTensor.read``). Shapes come back in torch's order:
-GGUF keeps ggml's (innermost first), and city96's converter stores tensors whose rows do not fill whole 256-value
-blocks flattened to rows of 256, with the true shape in a ``comfy.gguf.orig_shape.<name>`` field (ComfyUI-GGUF's
-tools/convert.py); both are read here.
+The header is read by the bounded walk (``header.py``), not by ``gguf.GGUFReader``, which makes objects for every
+item of every field (issue 41: seconds and gigabytes for a header within the caps); of its fields, only the
+architecture and the original shapes are read. Nothing is read of the data until the caller has checked the names
+and shapes (``GGUFTensor.read``). Shapes come back in torch's order: GGUF keeps ggml's (innermost first), and city96's
+converter stores tensors whose rows do not fill whole 256-value blocks flattened to rows of 256, with the true shape
+in a ``comfy.gguf.orig_shape.<name>`` field (ComfyUI-GGUF's tools/convert.py); both are read here.
 
 A tensor's bytes are read into memory of their own, not through the reader's memory map: every page of a mapping
 that was touched counts in the process's resident memory until the whole mapping is gone, so a file checked and
@@ -21,14 +22,17 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from ..errors import ErnieImageError
+from ..errors import ErnieImageError, quoted
 from ..model_files import Header, TensorInfo
 from .dequant import BLOCKS, PLAIN, SCALE_OFFSETS, UNSUPPORTED_ADVICE
-from .header import HeaderError, walk_header
+from .header import BigEndianError, CraftedHeaderError, HeaderError, HeaderInfo, walk_header
 
 ORIG_SHAPE = "comfy.gguf.orig_shape."
+ARCHITECTURE = "general.architecture"
+MAX_FIELD_BYTES = 1 << 16  # of each field read here: a name or a shape takes tens of bytes
 _NO_PACKAGE = ("Reading GGUF files needs the gguf package, which is not installed in ComfyUI's Python (the pack's "
                "requirements.txt lists it: were they installed into another Python?). Install it there (`pip install "
                "gguf`, or `pip install -r requirements.txt` in the pack's folder), then restart ComfyUI.")
@@ -92,31 +96,58 @@ def _damaged(path: Path, why: str) -> ErnieImageError:
                            "model file (an interrupted download?): download it again.")
 
 
+def _crafted(path: Path, why: str) -> ErnieImageError:
+    return ErnieImageError(f"Cannot read {path} as a GGUF file: it declares {why}, which no GGUF writer makes (each "
+                           "tensor has bytes of its own). The file is damaged or was crafted to exhaust memory: "
+                           "download it again from a source you trust.")
+
+
+def _big_endian(path: Path) -> ErnieImageError:
+    return ErnieImageError(f"{path} is a big-endian GGUF; this pack reads little-endian files: convert it with the "
+                           f"gguf package's `gguf-convert-endian {path} little` (it changes the file in place and "
+                           "converts F32, F16, BF16, Q8_0, Q4_K and Q6_K tensors), or download the little-endian file.")
+
+
 def _unreadable(path: Path, error: OSError) -> ErnieImageError:
     return ErnieImageError(f"Cannot read {path} ({error}). Check the file, or download it again.")
 
 
-def _string(field) -> str | None:
-    if field is None or len(field.types) != 1 or field.types[0].name != "STRING":
-        return None
-    return bytes(field.parts[field.data[-1]]).decode("utf-8", errors="replace")
+def _wanted(key: str) -> bool:
+    return key == ARCHITECTURE or key.startswith(ORIG_SHAPE)
 
 
-def _orig_shape(reader, name: str, count: int, path: Path) -> tuple[int, ...] | None:
-    field = reader.get_field(ORIG_SHAPE + name)
-    if field is None:
+def _field(header: HeaderInfo, key: str):
+    try:
+        return header.field(key, MAX_FIELD_BYTES)
+    except HeaderError as error:
+        raise _damaged(header.path, str(error)) from None
+    except OSError as error:
+        raise _unreadable(header.path, error) from error
+
+
+def _described(value) -> str:
+    if isinstance(value, np.ndarray):
+        return f"an array of {value.dtype}"
+    if isinstance(value, list):
+        return "an array of strings or arrays"
+    return "a string" if isinstance(value, str) else "a single number"
+
+
+def _orig_shape(header: HeaderInfo, name: str, count: int) -> tuple[int, ...] | None:
+    value = _field(header, ORIG_SHAPE + name)
+    if value is None:
         return None
-    if [t.name for t in field.types] != ["ARRAY", "INT32"]:
-        raise _damaged(path, f"{ORIG_SHAPE}{name} as {[t.name for t in field.types]}, not an array of int32")
-    shape = tuple(int(field.parts[i][0]) for i in field.data)
+    if not isinstance(value, np.ndarray) or value.dtype != np.int32:
+        raise _damaged(header.path, f"{ORIG_SHAPE}{quoted(name)} as {_described(value)}, not an array of int32")
+    shape = tuple(int(d) for d in value)
     if not shape or len(shape) > 8 or min(shape) < 1 or math.prod(shape) != count:
-        raise _damaged(path, f"{ORIG_SHAPE}{name} = {list(shape)} for a tensor of {count} values")
+        raise _damaged(header.path, f"{ORIG_SHAPE}{quoted(name)} = {list(shape)[:8]} for a tensor of {count} values")
     return shape
 
 
 def read_gguf(path: Path) -> GGUFFile:
     """Every tensor of the GGUF file ``path`` (names as the file has them), or an error naming the file. No data
-    is read here, only the header (bounded first)."""
+    is read here, only the header (bounded), and of its fields only the architecture and the original shapes."""
     try:
         import gguf
     except ImportError as error:
@@ -125,7 +156,11 @@ def read_gguf(path: Path) -> GGUFFile:
         raise ErnieImageError(f"Model file not found: {path}. Put it there or pick another file.")
     sizes = {int(kind): size for kind, size in gguf.GGML_QUANT_SIZES.items()}
     try:
-        header = walk_header(path, sizes)
+        header = walk_header(path, sizes, _wanted)
+    except BigEndianError:
+        raise _big_endian(path) from None
+    except CraftedHeaderError as error:
+        raise _crafted(path, str(error)) from None
     except HeaderError as error:
         raise _damaged(path, str(error)) from None
     except OSError as error:
@@ -133,23 +168,18 @@ def read_gguf(path: Path) -> GGUFFile:
     unknown = next((t for t in header.tensors if t.type_id not in sizes), None)
     if unknown is not None:
         raise ErnieImageError(
-            f"{path} stores {unknown.name} in type number {unknown.type_id}, which no GGUF type of the installed gguf "
-            f"package ({_gguf_version()}) is: the file is damaged, or in a type newer "
-            f"than this pack reads. {UNSUPPORTED_ADVICE}")
-    try:
-        reader = gguf.GGUFReader(path)
-    except ValueError as error:
-        # An unknown type number first: gguf's own words for it are "5000 is not a valid GGMLQuantizationType".
-        raise _damaged(path, f"what gguf {_gguf_version()} cannot read ({error})") from None
-    except (KeyError, IndexError, OverflowError, OSError, UnicodeDecodeError) as error:
-        raise _damaged(path, f"what gguf cannot read ({type(error).__name__}: {error})") from None
+            f"{path} stores {quoted(unknown.name)} in type number {unknown.type_id}, which no GGUF type of the "
+            f"installed gguf package ({_gguf_version()}) is: the file is damaged, or in a type newer than this pack "
+            f"reads. {UNSUPPORTED_ADVICE}")
     tensors = {}
-    for tensor in reader.tensors:
-        count = math.prod(int(d) for d in tensor.shape)
-        shape = _orig_shape(reader, tensor.name, count, path) or tuple(int(d) for d in reversed(tensor.shape))
-        tensors[tensor.name] = GGUFTensor(tensor.tensor_type.name, shape, path, int(tensor.data_offset),
-                                          int(tensor.n_bytes))
-    return GGUFFile(path, _string(reader.get_field("general.architecture")), tensors)
+    for entry in header.tensors:
+        count = math.prod(entry.dims)
+        values, size = sizes[entry.type_id]
+        shape = _orig_shape(header, entry.name, count) or tuple(reversed(entry.dims))
+        tensors[entry.name] = GGUFTensor(gguf.GGMLQuantizationType(entry.type_id).name, shape, path,
+                                         header.data_start + entry.offset, count // values * size)
+    architecture = _field(header, ARCHITECTURE)
+    return GGUFFile(path, quoted(architecture) if isinstance(architecture, str) else None, tensors)
 
 
 def first_bad_value(name: str, kind: str, data: torch.Tensor) -> str | None:

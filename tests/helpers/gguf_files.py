@@ -5,6 +5,7 @@ files.
 
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 
@@ -33,15 +34,32 @@ def gguf_bytes(path: Path) -> dict[str, tuple[str, int]]:
     return {t.name: (t.tensor_type.name, int(t.n_bytes)) for t in gguf.GGUFReader(str(path)).tensors}
 
 
-def set_tensor_type(path: Path, name: str, type_id: int) -> None:
-    """Rewrite the type number of tensor ``name`` in the file's header (a type the gguf package cannot write)."""
+def _rewrite_entry(path: Path, name: str, what: str, value: int) -> None:
+    """Rewrite the ``what`` ("type" or "offset") of tensor ``name``'s entry in the file's header."""
     data = bytearray(path.read_bytes())
     encoded = name.encode()
     at = data.index(struct.pack("<Q", len(encoded)) + encoded) + 8 + len(encoded)
     rank = struct.unpack_from("<I", data, at)[0]
-    struct.pack_into("<I", data, at + 4 + 8 * rank, type_id)
+    at += 4 + 8 * rank  # the type number (u32), then the data offset (u64)
+    struct.pack_into(*(("<I", data, at) if what == "type" else ("<Q", data, at + 4)), value)
     path.unlink()
     path.write_bytes(bytes(data))
+
+
+def set_tensor_type(path: Path, name: str, type_id: int) -> None:
+    """Rewrite the type number of tensor ``name`` in the file's header (a type the gguf package cannot write)."""
+    _rewrite_entry(path, name, "type", type_id)
+
+
+def set_tensor_offset(path: Path, name: str, offset: int) -> None:
+    """Rewrite where tensor ``name``'s data starts (bytes after the data section's start) in the file's header."""
+    _rewrite_entry(path, name, "offset", offset)
+
+
+def tensor_offset(path: Path, name: str) -> int:
+    """Where tensor ``name``'s data starts, in bytes after the data section's start."""
+    reader = gguf.GGUFReader(str(path))
+    return int(next(t for t in reader.tensors if t.name == name).data_offset) - reader.data_offset
 
 
 def scale_offset(path: Path, name: str) -> int:
@@ -59,3 +77,20 @@ def raw_header(fields: bytes = b"", field_count: int = 0, tensor_count: int = 0)
 def gguf_string(text: str) -> bytes:
     encoded = text.encode()
     return struct.pack("<Q", len(encoded)) + encoded
+
+
+def f32_gguf(path: Path, entries: dict[str, tuple[tuple[int, ...], int]], data_bytes: int) -> Path:
+    """A GGUF file of ``data_bytes`` of zeros whose tensors are F32 and lie where ``entries`` says: each name's shape
+    (torch's order) and data offset, written byte by byte (the gguf package lays tensors out one after another)."""
+    infos = b"".join(gguf_string(name) + struct.pack(f"<I{len(shape)}QIQ", len(shape), *reversed(shape), 0, offset)
+                     for name, (shape, offset) in entries.items())
+    header = raw_header(tensor_count=len(entries)) + infos
+    path.write_bytes(header + bytes(-len(header) % 32) + bytes(data_bytes))  # the data starts aligned to 32 bytes
+    return path
+
+
+def one_blob_gguf(path: Path, shapes: dict[str, tuple[int, ...]]) -> Path:
+    """Every tensor of ``shapes`` at the start of one blob the size of the largest: each lies inside the file, together
+    they declare far more bytes than it holds (issue 41's memory bomb)."""
+    largest = max(math.prod(shape) for shape in shapes.values()) * 4
+    return f32_gguf(path, {name: (shape, 0) for name, shape in shapes.items()}, largest)
