@@ -281,3 +281,16 @@ def test_a_snapshot_whose_shards_disagree_is_refused(tiny_models, placed, attack
                  r".*transformer: the download is incomplete")
     with pytest.raises(ErnieImageError, match=words):
         load(f"diffusers/{snapshot.name}")
+
+
+def test_weights_that_overflow_together_are_named_at_the_first_step(tiny_models, placed):
+    """Every weight finite, yet their product overflows: the image was black with no message. The first sampled
+    step's output is checked (once per run) and the DiT's file named."""
+    from helpers.accel import sample
+
+    name = hostile_file(tiny_models, placed, "overflowing.safetensors",
+                        _set("layers.0.mlp.up_proj.weight", torch.full((128, 64), 1e38)))
+    with pytest.raises(ErnieImageError, match=r"The DiT's first sampled step gave values that are not finite \(NaN or "
+                                              r"infinity\): the weights of .*overflowing\.safetensors \(or a LoRA "
+                                              r"applied to them\) hold values no image can be made from"):
+        sample(load(name), steps=2)
