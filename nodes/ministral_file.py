@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ErnieImageError
+from .errors import ErnieImageError, quoted
 from .fp8_linear import DECODER_LINEAR, quantize_rows, use_fp8_linears
 from .model_files import Header, builds_weights, read_folder_headers, read_header, read_safetensors, read_tensors
 from .quant_layout import (
@@ -188,8 +188,8 @@ def _fp8_scales(header: Header, where: Mapping[str, Path], dtype: torch.dtype, s
     configs = [k for k in extra if k.endswith(CONFIG_SUFFIX)]
     if any(not is_config_tensor(header[k]) for k in configs):
         key = next(k for k in configs if not is_config_tensor(header[k]))
-        raise error(f"{source}: {key} is not a quantization configuration (a short uint8 tensor of JSON): the file is "
-                    f"damaged. {advice}")
+        raise error(f"{source}: {quoted(key)} is not a quantization configuration (a short uint8 tensor of JSON): the "
+                    f"file is damaged. {advice}")
     try:
         layers = header_layers(_metadata(where))
         layers.update({k[: -len(CONFIG_SUFFIX)]: decode_config(v, k) for k, v in read_tensors(where, configs).items()})

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .errors import ErnieImageError
+from .errors import ErnieImageError, quoted
 from .model_files import TensorInfo
 from .structure import SCALE_SUFFIXES, natural
 
@@ -43,12 +43,12 @@ _MAX_CONFIG_BYTES = 4096  # one layer's JSON; real ones are tens of bytes
 _RENAMED = {".scale_weight": ".weight_scale", ".scale_input": ".input_scale"}
 # What each format stores a weight as (safetensors' dtype name), the largest magnitude of a stored value times its
 # block scale (what a per-tensor scale multiplies: NVFP4's e2m1 reaches 6, its fp8 block scale 448), and which of
-# its scales hold one number and which one per block of values (NVFP4's, per 16 values of a row; ComfyUI's kernels
-# pad them to 128 rows and 4 columns). Formats of newer cores not listed here are left to the core that loads them.
-STORED = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "int8_tensorwise": "I8", "nvfp4": "U8"}
+# its scales hold one number and which one per block of values (NVFP4's, per 16 values of a row). Other formats of
+# newer cores are left to the core that loads them, but for the bound of a one-number scale (newer cores' int8: 127).
+STORED = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "nvfp4": "U8"}
 LARGEST = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0, "int8_tensorwise": 127.0, "nvfp4": 6.0 * 448.0}
 PER_TENSOR = {"float8_e4m3fn": ("weight_scale", "input_scale"), "float8_e5m2": ("weight_scale", "input_scale"),
-              "int8_tensorwise": ("weight_scale", "input_scale"), "nvfp4": ("weight_scale_2", "input_scale")}
+              "nvfp4": ("weight_scale_2", "input_scale")}
 BLOCK = {"nvfp4": ("weight_scale", 16)}  # the scale's name and the values per block
 PACKED = frozenset({"nvfp4"})  # two values a byte: the weight has half the columns
 SMALLEST_NORMAL = torch.finfo(torch.float32).tiny  # a smaller scale is subnormal: 1e-45 zeroes every weight
@@ -102,6 +102,7 @@ def _json(text: str | bytes) -> object:
 
 def decode_config(tensor: torch.Tensor, key: str) -> dict:
     """The configuration a ``<layer>.comfy_quant`` tensor holds, or an error naming ``key``."""
+    key = quoted(key)  # a name from the file, for the messages
     if tensor.dtype != torch.uint8 or tensor.ndim != 1 or tensor.numel() > _MAX_CONFIG_BYTES:
         raise ErnieImageError(f"{key} is not a quantization configuration (a short uint8 tensor of JSON): the file "
                               "is damaged. Download it again.")
@@ -125,7 +126,7 @@ def header_layers(metadata: dict[str, str]) -> dict[str, dict]:
                               "the file is damaged. Download it again.") from error
     if not isinstance(layers, dict):
         raise ErnieImageError(f"The file's {HEADER_KEY} header has no layer map: the file is damaged.")
-    return {name: _config(conf, f"{HEADER_KEY}[{name!r}]") for name, conf in layers.items()}
+    return {name: _config(conf, f"{HEADER_KEY}[{quoted(name)!r}]") for name, conf in layers.items()}
 
 
 def split_quantization(state_dict: dict[str, torch.Tensor],
@@ -165,6 +166,7 @@ def fold_quantization(weights: dict[str, torch.Tensor], quantized: QuantLayers,
     folded = dict(weights)
     for layer, conf in quantized.layers.items():
         if conf["format"] not in FP8_FORMATS:
+            layer, conf = quoted(layer), {"format": quoted(conf["format"])}  # from the file, for the message
             raise ErnieImageError(
                 f"{layer} is stored as {conf['format']}, which the pack cannot unpack into plain weights: load the "
                 "file with weight_dtype default and quantization none (ComfyUI's own layers run it), or use the bf16 "
@@ -188,6 +190,7 @@ def _scale_suffix(key: str) -> tuple[str, str]:
 
 
 def _not_fp8(layer: str, dtype: object) -> ErnieImageError:
+    layer = quoted(layer)  # a name from the file, for the message
     return ErnieImageError(f"{layer}.scale_weight scales a {dtype} weight: scaled fp8 files hold fp8 weights. The file "
                            "is damaged or of another kind.")
 
@@ -210,15 +213,16 @@ def header_formats(header: Mapping[str, TensorInfo], configs: Mapping[str, dict]
 
 def _check_block_scale(key: str, info: TensorInfo, weight: TensorInfo, fmt: str, source: str, advice: str,
                        error: type[ErnieImageError]) -> None:
+    """As many block scales as the weight has blocks, at most padded as ComfyUI's kernels pad them (to 128 rows and
+    4 columns of scales; stored swizzled, so only their count is checked)."""
     rows, columns = weight.shape[0], weight.shape[-1] * (2 if fmt in PACKED else 1)
     size = BLOCK[fmt][1]
     blocks = -(-columns // size)
-    most = (-(-rows // 128) * 128, -(-blocks // 4) * 4)  # as ComfyUI's kernels pad them
-    shape = info.shape
-    if not (len(shape) == 2 and rows <= shape[0] <= most[0] and blocks <= shape[1] <= most[1]):
-        raise error(f"{source}: {key} has shape {list(shape)}; a {fmt} layer of {rows} rows of {columns} values has "
-                    f"one scale per {size} values of a row, [{rows}, {blocks}] (padded up to {list(most)}): the file "
-                    f"is damaged. {advice}")
+    most = -(-rows // 128) * 128 * -(-blocks // 4) * 4
+    if not rows * blocks <= info.numel <= most:
+        raise error(f"{source}: {key} holds {info.numel} scales (shape {list(info.shape)}); a {quoted(fmt)} layer of "
+                    f"{rows} rows of {columns} values has one scale per {size} values of a row, {rows * blocks} "
+                    f"(padded: up to {most}): the file is damaged. {advice}")
 
 
 def check_layout(header: Mapping[str, TensorInfo], formats: Mapping[str, str], source: str, advice: str,
@@ -230,6 +234,7 @@ def check_layout(header: Mapping[str, TensorInfo], formats: Mapping[str, str], s
     weight, silently."""
     for layer in sorted(formats, key=natural):
         fmt, weight = formats[layer], header.get(f"{layer}.weight")
+        layer, fmt = quoted(layer), quoted(fmt)  # names from the file, for the messages (STORED knows none cut)
         if weight is None:
             raise error(f"{source}: the quantization configuration names {layer}, which has no weight in the file: "
                         f"the file is damaged. {advice}")
@@ -240,6 +245,7 @@ def check_layout(header: Mapping[str, TensorInfo], formats: Mapping[str, str], s
     for key in sorted((k for k in header if k.rpartition(".")[2] in SCALE_SUFFIXES), key=natural):
         layer, suffix = _scale_suffix(key)
         info, fmt, weight = header[key], formats.get(layer), header.get(f"{layer}.weight")
+        key, layer = quoted(key), quoted(layer)  # names from the file, for the messages
         if fmt is None or weight is None:
             raise error(f"{source}: {key} scales no quantized weight (no quantization configuration names {layer}): "
                         f"the file is damaged. {advice}")
@@ -249,7 +255,7 @@ def check_layout(header: Mapping[str, TensorInfo], formats: Mapping[str, str], s
             rows = weight.shape[0]
             if info.numel == 1 or (per_row and suffix == "weight_scale" and list(info.shape) in ([rows], [rows, 1])):
                 continue
-            kind = "scaled fp8 files" if key.endswith((".scale_weight", ".scale_input")) else f"{fmt} layers"
+            kind = "scaled fp8 files" if key.endswith((".scale_weight", ".scale_input")) else f"{quoted(fmt)} layers"
             raise error(f"{source}: {key} has shape {list(info.shape)}, but this pack loads {kind} with one scale per "
                         f"weight (a single number){' or one per row' if per_row else ''}; other scales are not loaded "
                         f"(one along the wrong axis would change the image silently). {advice}")
@@ -269,6 +275,7 @@ def check_scale(name: str, values: torch.Tensor, fmt: str | None, compute: torch
     top = torch.finfo(compute).max / largest
     bad = values[~(torch.isfinite(values) & (values >= SMALLEST_NORMAL) & (values <= top))]
     if bad.numel():
+        name = quoted(name)  # a name from the file, for the message
         bound = f" ({fmt}'s largest value {largest:g} times it must stay within {str(compute).removeprefix('torch.')})"
         raise error(f"{source}: the scale {name} is {bad.flatten()[0].item():g}; a scale must be a finite positive "
                     f"number from {SMALLEST_NORMAL:.3g} (smaller ones are subnormal) to {top:.3g}"
@@ -286,6 +293,7 @@ def check_scale_values(scales: Mapping[str, torch.Tensor], formats: Mapping[str,
         if (fmt in BLOCK and suffix == BLOCK[fmt][0]) or (fmt not in LARGEST and values.numel() > 1):
             bad = values[~(torch.isfinite(values) & (values >= 0))]
             if bad.numel():
+                name = quoted(name)  # a name from the file, for the message
                 raise error(f"{source}: the block scale {name} holds {bad.flatten()[0].item():g}; block scales must "
                             f"be finite and not negative (zero: an all-zero block). The weights are multiplied by "
                             f"them, so this one would make a black or garbage image. {advice}")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ErnieImageError
+from ..errors import ErnieImageError, quoted
 from ..model_files import Header, read_folder_headers, read_header, read_json, read_safetensors, read_tensors
 from ..quant_layout import (
     CONFIG_SUFFIX,
@@ -184,8 +184,8 @@ def quant_formats(header: Header, read, metadata: dict[str, str], source: str, p
     keys = [k for k in header if k.endswith(CONFIG_SUFFIX)]
     for key in keys:
         if not is_config_tensor(header[key]):
-            raise ErnieImageError(f"{source}: {key} is not a quantization configuration (a short uint8 tensor of "
-                                  f"JSON): the file is damaged. {ADVICE}")
+            raise ErnieImageError(f"{source}: {quoted(key)} is not a quantization configuration (a short uint8 "
+                                  f"tensor of JSON): the file is damaged. {ADVICE}")
     configs = {name[len(prefix):]: conf for name, conf in header_layers(metadata).items() if name.startswith(prefix)}
     if keys:  # a plain file is not opened again
         configs.update({k[: -len(CONFIG_SUFFIX)]: decode_config(v, k) for k, v in read(keys).items()})
