@@ -244,3 +244,28 @@ def test_cancel_while_the_quantized_dit_is_saved_leaves_no_entry(load, interrupt
     assert list(load.root.iterdir()) == []  # no entry, no .partial folder
     load()
     load(read=False)  # the next prompt quantizes and saves it whole
+
+
+def test_cancel_while_quantizing_block_by_block_stops_before_the_next_block(tiny_models, monkeypatch):
+    """The block-by-block quantize (a card that holds one block) asks for Cancel before each block. cache-dit's
+    torchao path refuses the CPU, so a stand-in for its ``quantize`` counts the blocks and the user presses Cancel
+    during the third."""
+    import cache_dit
+    import comfy.model_management as mm
+
+    quantized = []
+
+    def stand_in_quantize(block, config):
+        quantized.append(mm.processing_interrupted())
+        if len(quantized) == 3:
+            mm.interrupt_current_processing(True)
+        return block
+
+    monkeypatch.setattr(cache_dit, "quantize", stand_in_quantize)
+    dit = load_dit(tiny_models["snapshot"], DTYPE, DTYPE)
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            quantize.quantize_torchao(dit, FP8_TYPE, torch.device("cpu"), per_block=True)
+    finally:
+        mm.interrupt_current_processing(False)
+    assert len(quantized) == 3 and not any(quantized) and len(dit.layers) > 3
