@@ -51,6 +51,7 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, 
     method = METHODS[quantization]
     if path.suffix.lower() == ".gguf":  # quantized already: the loader's quantization methods do not apply
         dit = load_gguf_dit(path, gguf_dtype(weight_dtype, quantization))
+        dit.source = str(path)  # named should its weights make a NaN image
     else:
         dtype, storage = asked_dtypes(weight_dtype, quantization, method.quantizes)
         dit = load_quantized_dit(

@@ -31,10 +31,22 @@ from pathlib import Path
 
 import torch
 
-from .errors import ErnieImageError
+from .errors import ErnieImageError, quoted
 from .fp8_linear import DECODER_LINEAR, quantize_rows, use_fp8_linears
 from .model_files import Header, builds_weights, read_folder_headers, read_header, read_safetensors, read_tensors
-from .quant_layout import CONFIG_SUFFIX, FP8_FORMATS, SCALED_MARKER, header_metadata, split_quantization
+from .quant_layout import (
+    CONFIG_SUFFIX,
+    FP8_FORMATS,
+    SCALED_MARKER,
+    check_layout,
+    check_scale_values,
+    decode_config,
+    header_formats,
+    header_layers,
+    header_metadata,
+    is_config_tensor,
+    split_quantization,
+)
 from .structure import Architecture, check_structure, count_blocks, is_ignored
 
 HEAD_DIM = 128  # every Ministral 3 model has 128-wide attention heads
@@ -163,29 +175,34 @@ def read_config(config_class, folder: Path, what: str, error: type[ErnieImageErr
     return config
 
 
-def _fp8_scales(header: Header, where: Mapping[str, Path], source: str, what: str, advice: str,
+def _fp8_scales(header: Header, where: Mapping[str, Path], dtype: torch.dtype, source: str, what: str, advice: str,
                 error: type[ErnieImageError]) -> tuple[Header, dict[str, torch.Tensor]]:
-    """The header without what core's fp8 layouts add, and each fp8 weight's scale (``[]`` or ``[rows, 1]``, finite
-    and positive) by the file's key; ``{}`` for a plain file. Only the small tensors (scales, configurations) are
-    read."""
+    """The header without what core's fp8 layouts add, and each fp8 weight's scale (``[]`` or ``[rows, 1]``) by the
+    file's key; ``{}`` for a plain file. The scales' shapes and the weights' dtypes are checked against their formats
+    from the header, the scales' values (positive, normal, within ``dtype`` times fp8's largest value) as they are
+    read; only the small tensors (scales, configurations) are read."""
     extra = [k for k in header if k == SCALED_MARKER or k.endswith(QUANT_SUFFIXES)]
     fp8_weights = {k for k, info in header.items() if info.dtype in FP8_DTYPES and k != SCALED_MARKER}
     if not extra and not fp8_weights:
         return header, {}
-    for key in extra:
-        if key == SCALED_MARKER or key.endswith(CONFIG_SUFFIX):
-            continue
-        weight = header.get(key[: key.rindex(".")] + ".weight")
-        if weight is None or math.prod(header[key].shape) not in (1, weight.shape[0]):
-            fault = "scales no weight" if weight is None else "is not one scale per tensor or per row"
-            raise error(f"{source}: {key} {fault}: the file is damaged. {advice}")
-    small = read_tensors(where, [k for k in extra if k != SCALED_MARKER])
-    shapes = {k: torch.empty(info.shape, dtype=FP8_DTYPES.get(info.dtype, torch.bfloat16), device="meta")
-              for k, info in header.items() if k not in small}
+    configs = [k for k in extra if k.endswith(CONFIG_SUFFIX)]
+    if any(not is_config_tensor(header[k]) for k in configs):
+        key = next(k for k in configs if not is_config_tensor(header[k]))
+        raise error(f"{source}: {quoted(key)} is not a quantization configuration (a short uint8 tensor of JSON): the "
+                    f"file is damaged. {advice}")
     try:
-        weights, quantized = split_quantization({**shapes, **small}, _metadata(where))
+        layers = header_layers(_metadata(where))
+        layers.update({k[: -len(CONFIG_SUFFIX)]: decode_config(v, k) for k, v in read_tensors(where, configs).items()})
+        formats = header_formats(header, layers)
     except ErnieImageError as e:  # the DiT's reader says it in the pack's words; here in the model's error type
         raise error(f"{source}: {e}") from e
+    check_layout(header, formats, source, advice, error, per_row=True)
+    small = read_tensors(where, [k for k in extra if k != SCALED_MARKER])
+    check_scale_values({k: v for k, v in small.items() if not k.endswith(CONFIG_SUFFIX)}, formats, dtype, source,
+                       advice, error)
+    shapes = {k: torch.empty(info.shape, dtype=FP8_DTYPES.get(info.dtype, torch.bfloat16), device="meta")
+              for k, info in header.items() if k not in small}
+    weights, quantized = split_quantization({**shapes, **small}, _metadata(where))
     scales = {}
     for layer, conf in quantized.layers.items():
         key = f"{layer}.weight"
@@ -193,9 +210,8 @@ def _fp8_scales(header: Header, where: Mapping[str, Path], source: str, what: st
             raise error(f"{source}: {layer} is stored as {conf['format']}, which the {what} cannot load (fp8 weights "
                         f"with a scale can be). {advice}")
         scale = weights.get(f"{layer}.weight_scale")
-        if scale is None or not bool(torch.isfinite(scale).all() and (scale > 0).all()):
-            fault = "no scale" if scale is None else "a scale that is not finite and positive"
-            raise error(f"{source}: {key} has {fault}: the file is damaged. {advice}")
+        if scale is None:
+            raise error(f"{source}: {key} has no scale: the file is damaged. {advice}")
         scales[key] = scale.float().reshape(() if scale.numel() == 1 else (-1, 1))
     unscaled = sorted(fp8_weights - set(scales))
     if unscaled:
@@ -249,7 +265,7 @@ def load_ministral(header: Header, where: Mapping[str, Path], config, dtype: tor
     it. ``lm_head=False``: the head is not used (the text encoder), so it is neither read nor needed. ``fp8``: the
     decoder linears in fp8 (always so for a file in core's fp8 layout)."""
     advice = f"Download it again, or {instead}"
-    header, scales = _fp8_scales(header, where, source, what, advice, error)
+    header, scales = _fp8_scales(header, where, dtype, source, what, advice, error)
     layout = LanguageModelLayout(header, source, what, instead, error)
     if any(header[key].dtype not in LM_DTYPES for key in layout.model_names if key not in scales):
         raise error(f"{source} holds quantized weights; load the bf16/fp16 {what} file instead")

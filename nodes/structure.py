@@ -13,8 +13,9 @@ weight read:
   initialisation), and nothing else is, except the parts a loader names as unused and the keys of a known quantized
   layout beside the weights they belong to.
 
-Values are checked where the few tensors that carry them are read: ``check_scales`` (finite and positive) and
-``first_non_finite``. A new format (GGUF, comfy_quant, …) gives its header as a ``Header`` and reuses all of it.
+Values are checked where the few tensors that carry them are read: ``first_non_finite`` here, the quantization
+scales against their formats in ``quant_layout``. A new format (GGUF, comfy_quant, …) gives its header as a
+``Header`` and reuses all of it.
 """
 
 from __future__ import annotations
@@ -187,20 +188,3 @@ def first_non_finite(tensors: Mapping[str, torch.Tensor]) -> str | None:
         if tensor.is_floating_point() and not bool(torch.isfinite(_as_float(tensor)).all()):
             return name
     return None
-
-
-def check_scales(tensors: Mapping[str, torch.Tensor], source: str, advice: str,
-                 error: type[ErnieImageError] = ErnieImageError) -> None:
-    """Every quantization scale (``SCALE_SUFFIXES``) finite and positive: the weights are multiplied by it, so a
-    NaN or infinite one makes a black image and a zero or negative one a garbage image, with no error. A scale per
-    block of values (NVFP4's) may be zero, where the block is all zeros."""
-    for name in sorted(tensors, key=natural):
-        if not name.endswith(tuple("." + suffix for suffix in SCALE_SUFFIXES)):
-            continue
-        values = tensors[name].float()
-        bad = values[~(torch.isfinite(values) & ((values > 0) if values.numel() == 1 else (values >= 0)))]
-        if bad.numel():
-            name = quoted(name)
-            raise error(f"{source}: the scale {name} is {bad.flatten()[0].item():g}; a scale must be a finite positive "
-                        f"number (the weights are multiplied by it: this one would make a black or garbage image). "
-                        f"{advice}")

@@ -19,7 +19,7 @@ from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.loaders import ErnieImageDiTLoader
 from helpers.bounded import run_bounded
 from helpers.files import linked_copy, replace_bytes
-from helpers.quant_files import comfy_quant_fp8, nvfp4, scaled_fp8
+from helpers.quant_files import comfy_quant_fp8, header_fp8, nvfp4, scaled_fp8
 
 SNAPSHOT_CONFIG = "transformer/config.json"
 
@@ -169,7 +169,7 @@ def _quantized(layout, key: str, value: torch.Tensor):
     (comfy_quant_fp8, f"{LAYER}.input_scale", torch.tensor(0.0), rf"the scale {LAYER}\.input_scale is 0"),
     (nvfp4, f"{LAYER}.weight_scale_2", torch.tensor(float("inf")), rf"the scale {LAYER}\.weight_scale_2 is inf"),
     (nvfp4, f"{LAYER}.weight_scale", torch.full((128, 4), float("nan")).to(torch.float8_e4m3fn),
-     rf"the scale {LAYER}\.weight_scale is nan"),
+     rf"the block scale {LAYER}\.weight_scale holds nan; block scales must be finite and not negative"),
 ])
 def test_a_comfy_quant_scale_that_is_not_finite_and_positive_is_refused_by_key(tiny_models, placed, layout, key, value,
                                                                                  words):
@@ -177,7 +177,89 @@ def test_a_comfy_quant_scale_that_is_not_finite_and_positive_is_refused_by_key(t
     global ``weight_scale_2``): its scales are checked as scaled fp8's are, before the weights are read."""
     name = hostile_file(tiny_models, placed, f"comfy-quant-{key.rsplit('.', 1)[1]}-{value.flatten()[0].item()}"
                                              ".safetensors", _quantized(layout, key, value))
-    with pytest.raises(ErnieImageError, match=words + r"; a scale must be a finite positive number"):
+    with pytest.raises(ErnieImageError, match=words + r"(; a scale must be a finite positive number)?"):
+        load(name)
+
+
+SQUARE = "layers.2.self_attention.to_q"  # 64 rows of 64: every attention layer of the DiT is square
+
+
+def _e5m2(layer: str):
+    """The scaled fp8 tiny DiT with ``layer`` stored as e5m2 (its scale as it is)."""
+    def change(tensors):
+        scaled = scaled_fp8(tensors)
+        scaled[f"{layer}.weight"] = scaled[f"{layer}.weight"].float().to(torch.float8_e5m2)
+        return scaled
+    return change
+
+
+@pytest.mark.parametrize("attack, change, words", [
+    ("comfy_quant per-row scale on a square layer", _quantized(comfy_quant_fp8, f"{SQUARE}.weight_scale",
+                                                               torch.full((64,), 0.01)),
+     rf"{SQUARE}\.weight_scale has shape \[64\], but this pack loads float8_e4m3fn layers with one scale per weight "
+     r"\(a single number\); other scales are not loaded \(one along the wrong axis would change the image "
+     r"silently\)\. Use the bf16 file"),
+    ("comfy_quant per-row scale on a wide layer", _quantized(comfy_quant_fp8, f"{LAYER}.weight_scale",
+                                                             torch.full((128,), 0.01)),
+     rf"{LAYER}\.weight_scale has shape \[128\], but this pack loads float8_e4m3fn layers with one scale per weight"),
+    ("a [2, 2] scale", _quantized(comfy_quant_fp8, f"{LAYER}.weight_scale", torch.full((2, 2), 0.01)),
+     rf"{LAYER}\.weight_scale has shape \[2, 2\], but this pack loads float8_e4m3fn layers with one scale"),
+    ("an input scale per row", _quantized(comfy_quant_fp8, f"{LAYER}.input_scale", torch.full((128, 1), 0.01)),
+     rf"{LAYER}\.input_scale has shape \[128, 1\], but this pack loads float8_e4m3fn layers with one scale"),
+    ("a scale of 3e38", _scaled(LAYER, torch.tensor(3e38)),
+     rf"the scale {LAYER}\.scale_weight is 3e\+38; a scale must be a finite positive number from 1\.18e-38 \(smaller "
+     r"ones are subnormal\) to 7\.6e\+35 \(float8_e4m3fn's largest value 448 times it must stay within float32\): "
+     r"the weights are multiplied by it, so this one would make a black or garbage image\. The file is damaged"),
+    ("a comfy_quant scale of 3e38", _quantized(comfy_quant_fp8, f"{LAYER}.weight_scale", torch.tensor(3e38)),
+     rf"the scale {LAYER}\.weight_scale is 3e\+38; a scale must be a finite positive number"),
+    ("a subnormal scale", _scaled(LAYER, torch.tensor(1e-45)),
+     rf"the scale {LAYER}\.scale_weight is 1\.4013e-45; a scale must be a finite positive number from 1\.18e-38 "
+     r"\(smaller ones are subnormal\)"),
+    ("an e5m2 layer whose scale overflows", lambda t: {**_e5m2(LAYER)(t), f"{LAYER}.scale_weight": torch.tensor(1e34)},
+     rf"the scale {LAYER}\.scale_weight is 1e\+34; .* to 5\.93e\+33 \(float8_e5m2's largest value 57344 times it"),
+    ("an int8 weight under a float8 configuration",
+     _quantized(comfy_quant_fp8, f"{LAYER}.weight", torch.ones(128, 64, dtype=torch.int8)),
+     rf"{LAYER}\.weight is stored as I8, but its quantization configuration says float8_e4m3fn, stored as F8_E4M3: "
+     r"the file is damaged or its weights are of another format"),
+    ("float8 weights packed two a byte",
+     _quantized(comfy_quant_fp8, f"{LAYER}.weight", torch.ones(128, 32, dtype=torch.uint8)),
+     rf"{LAYER}\.weight is stored as U8, but its quantization configuration says float8_e4m3fn"),
+    ("float8 weights of half the columns",
+     _quantized(comfy_quant_fp8, f"{LAYER}.weight", torch.ones(128, 32).to(torch.float8_e4m3fn)),
+     rf"does not fit a ERNIE-Image DiT: {LAYER}\.weight has shape \[128, 32\], block 0's has \[128, 64\]"),
+    ("a comfy_quant configuration nested 2000 deep",
+     _quantized(comfy_quant_fp8, f"{LAYER}.comfy_quant", torch.tensor(list(b"[" * 2000 + b"]" * 2000),
+                                                                       dtype=torch.uint8)),
+     rf"{LAYER}\.comfy_quant holds no readable JSON \(nested deeper than any quantization configuration\): the file "
+     r"is damaged"),
+])
+def test_a_quantized_layer_out_of_its_format_is_refused_by_key(tiny_models, placed, attack, change, words):
+    """A comfy_quant per-row ``weight_scale`` of shape ``[out]`` was multiplied along the wrong axis of a square
+    layer, silently (output 0.018 off the bf16 model against 0.004 for a right file), and raised a raw RuntimeError
+    on the others (and a ``[2, 2]`` one); scales of 3e38 or 1e-45 made black images; an int8 weight under a float8
+    configuration loaded, packed fp8 weights failed at the first forward. Each is refused by key, in words, before
+    the weights are read."""
+    name = hostile_file(tiny_models, placed, f"format-{attack.replace(' ', '-')}.safetensors", change)
+    with pytest.raises(ErnieImageError, match=words):
+        load(name)
+
+
+def test_quantization_metadata_nested_deeply_is_refused_in_words(tiny_models, placed):
+    """0.3.75's header form of comfy_quant with JSON nested 100 000 deep raised a raw RecursionError."""
+    tensors, _ = header_fp8(load_file(tiny_models["single_file"]))
+    path = placed("diffusion_models", "metadata-nested.safetensors")
+    save_file(tensors, path, {"_quantization_metadata": "[" * 100_000 + "]" * 100_000})
+    with pytest.raises(ErnieImageError, match=r"_quantization_metadata header is not ComfyUI's quantization metadata "
+                                              r"\(ValueError\('nested deeper than any quantization configuration'\)\)"):
+        load(path.name)
+
+
+def test_nvfp4_block_scales_of_zero_are_left_alone(tiny_models, placed):
+    """An all-zero block has a block scale of 0: NVFP4 files hold them. The scales pass; 0.3.75 then refuses the
+    format itself, in words."""
+    name = hostile_file(tiny_models, placed, "nvfp4-zero-blocks.safetensors",
+                        _quantized(nvfp4, f"{LAYER}.weight_scale", torch.zeros(128, 4).to(torch.float8_e4m3fn)))
+    with pytest.raises(ErnieImageError, match=r"stores layers as nvfp4 .* a quantization format this ComfyUI"):
         load(name)
 
 
@@ -199,3 +281,16 @@ def test_a_snapshot_whose_shards_disagree_is_refused(tiny_models, placed, attack
                  r".*transformer: the download is incomplete")
     with pytest.raises(ErnieImageError, match=words):
         load(f"diffusers/{snapshot.name}")
+
+
+def test_weights_that_overflow_together_are_named_at_the_first_step(tiny_models, placed):
+    """Every weight finite, yet their product overflows: the image was black with no message. The first sampled
+    step's output is checked (once per run) and the DiT's file named."""
+    from helpers.accel import sample
+
+    name = hostile_file(tiny_models, placed, "overflowing.safetensors",
+                        _set("layers.0.mlp.up_proj.weight", torch.full((128, 64), 1e38)))
+    with pytest.raises(ErnieImageError, match=r"The DiT's first sampled step gave values that are not finite \(NaN or "
+                                              r"infinity\): the weights of .*overflowing\.safetensors \(or a LoRA "
+                                              r"applied to them\) hold values no image can be made from"):
+        sample(load(name), steps=2)

@@ -19,9 +19,10 @@ import torch
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.pe.nodes import ErnieImagePELoader
 from comfyui_ernie_image.nodes.pe.protocol import PromptSpec, SamplingParams
-from comfyui_ernie_image.nodes.text.nodes import ErnieImageTextEncoderLoader
+from comfyui_ernie_image.nodes.text.nodes import ErnieImageTextEncode, ErnieImageTextEncoderLoader
 from helpers.bounded import run_bounded
 from helpers.files import linked_copy, replace_bytes, rewrite_safetensors
+from helpers.quant_files import comfy_quant_fp8, scaled_fp8
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4)
 # Where each layout keeps its language model's layers (what precedes ``layers.`` in its keys).
@@ -199,3 +200,49 @@ def test_a_config_with_numbers_no_model_runs_with_is_refused(tiny_models, placed
                    config_changes=config_changes)
     with pytest.raises(ErnieImageError, match=words):
         load(layout, name)
+
+
+UP = "model.layers.1.mlp.up_proj"  # 64 rows of 32 in the tiny text encoder
+
+
+def _fp8_file(layout, key: str | None = None, value: torch.Tensor | None = None):
+    """The text encoder in core's fp8 ``layout`` (``helpers.quant_files``) with ``key`` set to ``value``."""
+    def change(tensors):
+        changed = layout(tensors, prefix="model.layers.")
+        return changed if key is None else {**changed, key: value}
+    return change
+
+
+@pytest.mark.parametrize("attack, change, words", [
+    ("a scale of 3e38", _fp8_file(scaled_fp8, f"{UP}.scale_weight", torch.tensor(3e38)),
+     rf"the scale {UP}\.scale_weight is 3e\+38; a scale must be a finite positive number from 1\.18e-38 \(smaller "
+     r"ones are subnormal\) to 7\.6e\+35 \(float8_e4m3fn's largest value 448 times it must stay within .*\): the "
+     r"weights are multiplied by it, so this one would make a black or garbage image\. Download it again"),
+    ("a subnormal scale", _fp8_file(scaled_fp8, f"{UP}.scale_weight", torch.tensor(1e-45)),
+     rf"the scale {UP}\.scale_weight is 1\.4013e-45; a scale must be a finite positive number"),
+    ("a row scale of zero", _fp8_file(comfy_quant_fp8, f"{UP}.weight_scale",
+                                      torch.cat([torch.full((63, 1), 0.01), torch.zeros(1, 1)])),
+     rf"the scale {UP}\.weight_scale is 0; a scale must be a finite positive number"),
+    ("scales of another shape", _fp8_file(comfy_quant_fp8, f"{UP}.weight_scale", torch.full((8, 8), 0.01)),
+     rf"{UP}\.weight_scale has shape \[8, 8\], but this pack loads float8_e4m3fn layers with one scale per weight \(a "
+     r"single number\) or one per row"),
+    ("e5m2 weights under an e4m3 configuration",
+     lambda t: {**_fp8_file(comfy_quant_fp8)(t), f"{UP}.weight": torch.ones(64, 32).to(torch.float8_e5m2)},
+     rf"{UP}\.weight is stored as F8_E5M2, but its quantization configuration says float8_e4m3fn"),
+])
+def test_an_fp8_text_encoder_scale_out_of_its_format_is_refused_by_key(tiny_models, placed, attack, change, words):
+    """An fp8 scale of 3e38 or 1e-45 loaded and made NaN or zero embeddings (a black image); a row scale of 0 or an
+    [8, 8] block of 64 scales was taken as 64 row scales; e5m2 bytes under an e4m3 configuration loaded as e5m2."""
+    name = hostile(tiny_models, placed, "text encoder single file", "fp8-" + attack.replace(" ", "-"), change)
+    with pytest.raises(ErnieImageError, match=words):
+        load("text encoder single file", name)
+
+
+def test_a_text_encoder_that_makes_non_finite_embeddings_is_named(tiny_models, placed):
+    """Weights within every bound on their own can still overflow together: a norm weight of 1e30 made infinite
+    hidden states and a black image with no message. The embeddings are checked as they are made."""
+    name = hostile(tiny_models, placed, "text encoder single file", "overflowing",
+                   _add("model.layers.0.post_attention_layernorm.weight", torch.full((32,), 1e30)))
+    with pytest.raises(ErnieImageError, match=r"The text encoder .*ministral-3-3b-overflowing\.safetensors made text "
+                                              r"embeddings that are not finite \(NaN or infinity\)"):
+        ErnieImageTextEncode.execute(ErnieImageTextEncoderLoader.execute(name).result[0], "a cat")

@@ -5,12 +5,13 @@ through it (quantize + serialize_to, then cache_dit.load) on the CPU."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from comfyui_ernie_image.nodes.dit.build import load_dit
 from comfyui_ernie_image.nodes.errors import ErnieImageError
@@ -221,3 +222,95 @@ def test_svdquant_dit_is_saved_reloaded_and_rebuilt_when_stale(svdq_without_kern
     os.utime(tiny_dit_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
     quantized()
     assert saved_stamp() != stamp  # the source changed: quantized again
+
+
+def test_a_link_in_place_of_an_entry_is_removed_not_followed(cache, source, tmp_path):
+    """A symbolic link planted in place of an entry made every load quantize again: its removal and the rename onto
+    it failed silently. The link alone goes (what it points to stays), and the next build saves a real entry."""
+    entry = build(cache, source)
+    elsewhere = tmp_path / "elsewhere"
+    entry.rename(elsewhere)
+    entry.symlink_to(elsewhere, target_is_directory=True)
+    assert cache.problem(source, METHOD, VERSIONS) == (
+        f"it is a symbolic link, which the pack does not follow in {cache.root}")
+    assert cache.lookup(source, METHOD, VERSIONS) is None
+    assert not entry.is_symlink() and (elsewhere / RECORD).is_file()
+    assert build(cache, source) == entry and cache.lookup(source, METHOD, VERSIONS) == entry
+    (entry / QUANT_CONFIG).unlink()
+    (entry / QUANT_CONFIG).symlink_to(elsewhere / QUANT_CONFIG)
+    assert cache.problem(source, METHOD, VERSIONS) == (
+        f"{QUANT_CONFIG} is a symbolic link, which the pack does not follow there")
+
+
+def test_a_record_nested_deeply_is_unreadable_not_a_crash(cache, source):
+    entry = build(cache, source)
+    (entry / RECORD).write_text("[" * 100_000 + "]" * 100_000)
+    assert cache.problem(source, METHOD, VERSIONS) == f"its record {RECORD} is missing or unreadable"
+
+
+def _poison_checkpoint(entry) -> str:
+    """A NaN in the first floating-point tensor of the saved checkpoint, its record's size kept true (a hostile
+    edit); the tensor's name."""
+    from safetensors import safe_open
+
+    checkpoint = entry / f"{METHOD}.safetensors"
+    with safe_open(str(checkpoint), framework="pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(checkpoint))
+    name = next(k for k, v in tensors.items() if v.is_floating_point() and v.dtype.itemsize > 1)
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, str(checkpoint), metadata)
+    record = json.loads((entry / RECORD).read_text())
+    (entry / RECORD).write_text(json.dumps({**record, "checkpoint_bytes": checkpoint.stat().st_size}))
+    return name
+
+
+def test_a_saved_svdquant_dit_with_a_nan_is_made_again(svdq_without_kernels, tiny_dit_file, cache, caplog):
+    """A NaN in a saved SVDQuant entry loaded unchecked (NaN images): each tensor is checked before
+    ``cache_dit.load``, and the entry is removed, named, and made again."""
+    def quantized():
+        return load_or_build_svdq(lambda: load_dit(tiny_dit_file, torch.bfloat16), METHOD, source=tiny_dit_file,
+                                  device=torch.device("cpu"), cache=cache)
+
+    quantized()
+    entry = cache.entry(tiny_dit_file, METHOD)
+    name = _poison_checkpoint(entry)
+    with caplog.at_level(logging.WARNING):
+        rebuilt = quantized()
+    assert (f"cannot load the saved SVDQuant DiT {entry} ({name} holds values that are not finite); quantizing "
+            "again") in caplog.text
+    assert all(torch.isfinite(t).all() for t in rebuilt.state_dict().values() if t.is_floating_point())
+    saved = load_file(str(entry / f"{METHOD}.safetensors"))  # saved again, whole
+    assert all(torch.isfinite(t).all() for t in saved.values() if t.is_floating_point() and t.dtype.itemsize > 1)
+
+
+def test_cancel_while_svdquant_quantizes_stops_within_a_layer_and_leaves_no_entry(svdq_without_kernels, tiny_dit_file,
+                                                                                 cache):
+    """SVDQuant quantizes every layer in one cache-dit call (minutes at full size), which Cancel did not stop."""
+    import cache_dit
+    import comfy.model_management as mm
+    from cache_dit.quantization.svdquant import ptq
+
+    lookup, looked_up = ptq._get_named_submodule, []
+
+    def counted(*args, **kwargs):
+        looked_up.append(mm.processing_interrupted())
+        if len(looked_up) == 3:
+            mm.interrupt_current_processing(True)  # the user presses Cancel while the third layer is quantized
+        return lookup(*args, **kwargs)
+
+    def quantized():
+        return load_or_build_svdq(lambda: load_dit(tiny_dit_file, torch.bfloat16), METHOD, source=tiny_dit_file,
+                                  device=torch.device("cpu"), cache=cache)
+
+    ptq._get_named_submodule = counted
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            quantized()
+    finally:
+        ptq._get_named_submodule = lookup
+        mm.interrupt_current_processing(False)
+    assert len(looked_up) == 3 and not any(looked_up)  # no layer started after Cancel
+    assert list(cache.root.iterdir()) == []  # no entry and no .partial folder left
+    quantized()  # the next prompt quantizes it whole
+    assert cache.lookup(tiny_dit_file, METHOD, {"cache_dit": cache_dit.__version__}) is not None

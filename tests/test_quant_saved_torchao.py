@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from comfyui_ernie_image.nodes.dit.build import dit_skeleton, load_dit
 from comfyui_ernie_image.nodes.dit.model import make_model_patcher
 from comfyui_ernie_image.nodes.dit.weights import tensor_locations
-from comfyui_ernie_image.nodes.quant import quantize
+from comfyui_ernie_image.nodes.quant import quantize, torchao_file
 from comfyui_ernie_image.nodes.quant.requantize import Requantizer
 from comfyui_ernie_image.nodes.quant.saved import RECORD, SavedDiTs
 from helpers.accel import sample
@@ -134,12 +134,28 @@ DAMAGES = {
         lambda path: rewrite(path, lambda t, m: t[_scale(t)].fill_(float("inf"))), "values that are not finite"),
     "a weight of another shape": (
         lambda path: rewrite(path, lambda t, m: t.update({_qdata(t): t[_qdata(t)][:, :4].contiguous()})),
-        "is not an fp8"),
+        "is not an e4m3"),
     "an extra tensor": (lambda path: rewrite(path, lambda t, m: t.update({"extra": torch.zeros(2)})), "other tensors"),
-    "a weight missing": (lambda path: rewrite(path, lambda t, m: t.pop(_qdata(t))), "is not an fp8"),
+    "a weight missing": (lambda path: rewrite(path, lambda t, m: t.pop(_qdata(t))), "is not an e4m3"),
     "another type named": (
         lambda path: rewrite(path, lambda t, m: m.update({next(iter(json.loads(m["tensor_names"]))):
                                                           json.dumps({"_type": "os.system"})})), "described as"),
+    # Issue 41, finding 8: each of these loaded silently (black or garbage images), the last into NaN output.
+    "negated scales": (lambda path: rewrite(path, lambda t, m: t[_scale(t)].neg_()),
+                       "; a scale must be a finite positive number from 1.18e-38"),
+    "zero scales": (lambda path: rewrite(path, lambda t, m: t[_scale(t)].zero_()), "is 0; a scale must be"),
+    "scales of 3e38": (lambda path: rewrite(path, lambda t, m: t[_scale(t)].fill_(3e38)),
+                       "is 3e+38; a scale must be a finite positive number from 1.18e-38 (smaller ones are subnormal) "
+                       "to 7.57e+35 (float8_e4m3fn's largest value 448 times it must stay within bfloat16)"),
+    "a scale per value": (
+        lambda path: rewrite(path, lambda t, m: t.update({_scale(t): t[_scale(t)].expand(-1, 64).contiguous()})),
+        "is not an e4m3 [128, 64] with one fp32 scale per row (it is F8_E4M3 [128, 64], its scale F32 [128, 64])"),
+    "weights relabelled as e5m2": (
+        lambda path: rewrite(path, lambda t, m: t.update({_qdata(t): t[_qdata(t)].view(torch.float8_e5m2)})),
+        "with one fp32 scale per row (it is F8_E5M2 [128, 64]"),
+    "a list of names nested 100 000 deep": (
+        lambda path: rewrite(path, lambda t, m: m.update({"tensor_names": "[" * 100_000 + "]" * 100_000})),
+        "its tensors are not the DiT's"),
 }
 
 
@@ -151,6 +167,7 @@ def test_a_damaged_saved_dit_is_never_used_and_is_made_again(load, caplog, damag
     with caplog.at_level(logging.WARNING):
         again = load()  # reads the bf16 DiT and quantizes again
     assert reason in caplog.text and "quantizing again" in caplog.text
+    assert f"the saved quantized DiT {checkpoint(load).parent}" in caplog.text  # the entry, named
     assert torch.equal(sample(make_model_patcher(first, whole=True)), sample(make_model_patcher(again, whole=True)))
     load(read=False)  # and saved it again, whole
 
@@ -163,3 +180,92 @@ def test_a_dit_saved_for_another_compute_dtype_is_made_again(load, caplog):
     with caplog.at_level(logging.WARNING):
         load()
     assert "cannot be used (it was made for float8_weight_only with" in caplog.text
+
+
+def test_a_link_in_place_of_the_saved_dit_is_not_followed(load, caplog, tmp_path):
+    """A symbolic link planted in place of the saved folder made every load quantize again (its removal and the
+    rename onto it failed, silently): the link alone is removed, in words, and the DiT saved there for the next
+    load."""
+    load()
+    entry = checkpoint(load).parent
+    elsewhere = tmp_path / "elsewhere"
+    entry.rename(elsewhere)
+    entry.symlink_to(elsewhere, target_is_directory=True)
+    with caplog.at_level(logging.WARNING):
+        load()
+    assert f"the saved quantized DiT {entry} cannot be used (it is a symbolic link, which the pack does not follow " \
+           f"in {load.root}); quantizing again" in caplog.text
+    assert entry.is_dir() and not entry.is_symlink() and (elsewhere / RECORD).is_file()  # what it pointed to stays
+    load(read=False)
+
+
+@pytest.fixture
+def interrupt_at(monkeypatch):
+    """``interrupt_at(module, name, n)``: the user presses Cancel (ComfyUI's interrupt) during the ``n``-th call of
+    ``module.name``; returns the list of calls made, each noting whether Cancel had been pressed before it. Later
+    calls (the next prompt's) run as they are."""
+    import comfy.model_management as mm
+
+    def install(module, name: str, n: int) -> list[bool]:
+        calls, original = [], getattr(module, name)
+
+        def counted(*args, **kwargs):
+            calls.append(len(calls) >= n)
+            if len(calls) == n:
+                mm.interrupt_current_processing(True)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+        return calls
+
+    yield install
+    mm.interrupt_current_processing(False)
+
+
+def test_cancel_while_the_saved_dit_is_read_stops_within_one_tensor_and_keeps_it(load, interrupt_at):
+    import comfy.model_management as mm
+
+    load()
+    calls = interrupt_at(torchao_file, "read_safetensors", 5)
+    with pytest.raises(mm.InterruptProcessingException):
+        load(read=False)
+    assert len(calls) == 5 and sum(calls) == 0  # not one tensor more was read after Cancel
+    load(read=False)  # the entry is kept (Cancel is no damage) and the next prompt reads it
+
+
+def test_cancel_while_the_quantized_dit_is_saved_leaves_no_entry(load, interrupt_at):
+    import comfy.model_management as mm
+
+    calls = interrupt_at(torchao_file, "write", 1)  # Cancel as the save starts
+    written = interrupt_at(torchao_file, "save_file", 10**6)
+    with pytest.raises(mm.InterruptProcessingException):
+        load()
+    assert len(calls) == 1 and written == []  # stopped before its first tensor
+    assert list(load.root.iterdir()) == []  # no entry, no .partial folder
+    load()
+    load(read=False)  # the next prompt quantizes and saves it whole
+
+
+def test_cancel_while_quantizing_block_by_block_stops_before_the_next_block(tiny_models, monkeypatch):
+    """The block-by-block quantize (a card that holds one block) asks for Cancel before each block. cache-dit's
+    torchao path refuses the CPU, so a stand-in for its ``quantize`` counts the blocks and the user presses Cancel
+    during the third."""
+    import cache_dit
+    import comfy.model_management as mm
+
+    quantized = []
+
+    def stand_in_quantize(block, config):
+        quantized.append(mm.processing_interrupted())
+        if len(quantized) == 3:
+            mm.interrupt_current_processing(True)
+        return block
+
+    monkeypatch.setattr(cache_dit, "quantize", stand_in_quantize)
+    dit = load_dit(tiny_models["snapshot"], DTYPE, DTYPE)
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            quantize.quantize_torchao(dit, FP8_TYPE, torch.device("cpu"), per_block=True)
+    finally:
+        mm.interrupt_current_processing(False)
+    assert len(quantized) == 3 and not any(quantized) and len(dit.layers) > 3

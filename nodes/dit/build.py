@@ -92,7 +92,9 @@ def load_dit(path: Path, dtype: torch.dtype, storage: torch.dtype | None = None,
              load_device: torch.device | None = None) -> ErnieImageDiffusionModel:
     """The DiT from a snapshot folder, its ``transformer/`` folder or a single file."""
     folder = path / "transformer" if (path / "transformer").is_dir() else path
-    return build_diffusion_model(*read_dit(path), dtype, storage, header_metadata(folder), load_device)
+    dit = build_diffusion_model(*read_dit(path, dtype), dtype, storage, header_metadata(folder), load_device)
+    dit.source = str(path)
+    return dit
 
 
 def dit_skeleton(path: Path, dtype: torch.dtype) -> ErnieImageDiffusionModel:

@@ -91,16 +91,34 @@ class ErnieImageDiffusionModel(ErnieImageDiT):
     # input, and the method that would hold its block weights in one byte on its GPU (None: none runs there).
     quantization: str = "none"
     quantize_to: str | None = None
+    source: str = "the DiT file"  # the file or folder its weights came from (the loaders set it), named in errors
+    _checked_run: object = None  # the sampling run whose first step was checked (core's ``sample_sigmas``)
 
     def forward(self, x, timestep, context, text_lens, transformer_options={}, **kwargs):
         started = allocated_memory(x.device)  # what was held before this step: the advice counts the step's own
         try:
-            return run_diffusion_model(self._forward, self, transformer_options, x, timestep, context, text_lens,
-                                       transformer_options, **kwargs)
+            out = run_diffusion_model(self._forward, self, transformer_options, x, timestep, context, text_lens,
+                                      transformer_options, **kwargs)
         except torch.OutOfMemoryError as error:
             image = (x.shape[-1] * PIXELS_PER_LATENT, x.shape[-2] * PIXELS_PER_LATENT)
             raise out_of_memory(error, sampling_advice(self, list(x.shape), context.shape[1], x.device, image,
                                                        PIXELS_PER_LATENT, transformer_options, started)) from error
+        self._check_first_step(out, transformer_options)
+        return out
+
+    def _check_first_step(self, out: torch.Tensor, transformer_options: dict) -> None:
+        """The first step of each sampling run gives finite values (one check per run: ``sample_sigmas`` is core's
+        new tensor per run): weights that are each within bounds can still overflow together, and a NaN there made a
+        black image with no message."""
+        run = transformer_options.get("sample_sigmas")
+        if run is None or run is self._checked_run:
+            return
+        self._checked_run = run
+        if not bool(torch.isfinite(out).all()):
+            raise ErnieImageError(
+                f"The DiT's first sampled step gave values that are not finite (NaN or infinity): the weights of "
+                f"{self.source} (or a LoRA applied to them) hold values no image can be made from, so the image "
+                "would be black. Download the file again, or sample without the LoRA.")
 
     def _forward(self, x, timestep, context, text_lens, transformer_options={}, **kwargs):
         if x.ndim != 4 or x.shape[1] != self.in_channels:

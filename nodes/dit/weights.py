@@ -22,8 +22,19 @@ import torch
 
 from ..errors import ErnieImageError, quoted
 from ..model_files import Header, read_folder_headers, read_header, read_json, read_safetensors, read_tensors
-from ..quant_layout import CONFIG_SUFFIX, SCALED_MARKER, header_layers, header_metadata
-from ..structure import QUANTIZED_SUFFIXES, SCALE_SUFFIXES, Architecture, check_scales, check_structure, count_blocks
+from ..quant_layout import (
+    CONFIG_SUFFIX,
+    FP8_FORMATS,
+    SCALED_MARKER,
+    check_layout,
+    check_scale_values,
+    decode_config,
+    header_formats,
+    header_layers,
+    header_metadata,
+    is_config_tensor,
+)
+from ..structure import QUANTIZED_SUFFIXES, SCALE_SUFFIXES, Architecture, check_structure, count_blocks
 from .dit import ErnieImageDiT
 
 # A key every ERNIE-Image DiT has and no other model in ComfyUI's folders does, and the others its shape is read off.
@@ -38,6 +49,7 @@ MAX_BLOCKS = 256
 WHAT = "ERNIE-Image DiT"
 ADVICE = ("Download it again, or pick ernie-image.safetensors or ernie-image-turbo.safetensors (or a snapshot "
           "folder).")
+SCALE_ADVICE = "The file is damaged: download it again, or use the bf16 file (ernie-image-turbo.safetensors)."
 DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})  # what build.py holds or casts from
 # Rank of each tensor the architecture is read off, in the words of the error when a file's differs.
 _READ_OFF = {"x_embedder.proj.weight": "[hidden, in_channels, patch, patch]",
@@ -165,25 +177,35 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
 
+def quant_formats(header: Header, read, metadata: dict[str, str], source: str, prefix: str = "") -> dict[str, str]:
+    """Each quantized layer's format (``quant_layout``), by its name in ``header`` (released keys): the configurations
+    of the header metadata (under the file's ``prefix``) and of the ``.comfy_quant`` tensors, which ``read(keys)``
+    reads once each is known to be a short uint8 vector, and scaled fp8's weights' dtypes."""
+    keys = [k for k in header if k.endswith(CONFIG_SUFFIX)]
+    for key in keys:
+        if not is_config_tensor(header[key]):
+            raise ErnieImageError(f"{source}: {quoted(key)} is not a quantization configuration (a short uint8 "
+                                  f"tensor of JSON): the file is damaged. {ADVICE}")
+    configs = {name[len(prefix):]: conf for name, conf in header_layers(metadata).items() if name.startswith(prefix)}
+    if keys:  # a plain file is not opened again
+        configs.update({k[: -len(CONFIG_SUFFIX)]: decode_config(v, k) for k, v in read(keys).items()})
+    return header_formats(header, configs)
+
+
 def check_dit_header(header: Header, source: str, declared: dict | None = None, config_source: str | None = None,
-                     metadata: dict[str, str] | None = None) -> dict:
+                     formats: dict[str, str] | None = None) -> dict:
     """The DiT's architecture once the header is known to hold exactly it: its blocks counted (and capped) first,
     then every name and shape against the DiT built on the meta device; ``declared`` is a snapshot's config
-    (``config_source`` names it), which must agree with what the shards hold; ``metadata``: the header's metadata
-    (0.3.75's comfy_quant layout names its quantized layers there). No tensor read, no module built before the
-    count is known."""
+    (``config_source`` names it), which must agree with what the shards hold; ``formats``: the quantized layers'
+    formats (``quant_formats``), whose weights and scales must have the shapes and dtypes their formats give them
+    (build.py's layers multiply one scale into each weight: a scale per row or per block would raise deep inside
+    torch there, or be folded into the wrong axis). No tensor read, no module built before the count is known."""
     check_dit_keys(list(header), source)
-    for name, info in header.items():
-        if name.endswith(".scale_weight") and info.numel != 1:
-            # build.py multiplies one scale into each weight (ComfyUI's scaled fp8 layers); a scale per row or per
-            # block would raise deep inside torch there, or be folded into the wrong axis.
-            raise ErnieImageError(
-                f"{source}: {name} has shape {list(info.shape)}, but this pack loads scaled fp8 files with one scale "
-                "per weight (a single number); per-row or per-block scales are not loaded. Use the bf16 file "
-                "(ernie-image-turbo.safetensors) or a scaled fp8 file with one scale per weight.")
-    # A comfy_quant layer's weight is stored in its format (NVFP4 packs two values a byte; quant_layout.py).
-    quantized = {k[: -len(CONFIG_SUFFIX)] for k in header if k.endswith(CONFIG_SUFFIX)}
-    packed = frozenset(f"{layer}.weight" for layer in quantized | set(header_layers(metadata or {})))
+    formats = formats or {}
+    # A weight in a format other than fp8 is stored its own way (NVFP4 packs two values a byte; quant_layout.py).
+    packed = frozenset(f"{layer}.weight" for layer, fmt in formats.items() if fmt not in FP8_FORMATS)
+    check_layout(header, formats, source, "Use the bf16 file (ernie-image-turbo.safetensors) or a file with one "
+                 "scale per weight.")
     count_blocks(header, "layers.", MAX_BLOCKS, source, WHAT, ADVICE, quantized=QUANTIZED_SUFFIXES, packed=packed)
     inferred = config_from_state_dict(header, source)
     if declared is None:
@@ -205,9 +227,10 @@ def _scale_keys(keys) -> list[str]:
     return [k for k in keys if k.endswith(tuple("." + suffix for suffix in SCALE_SUFFIXES))]
 
 
-def _check_scale_values(scales: dict[str, torch.Tensor], source: str) -> None:
-    """The scales' values, read alone (a few numbers) before the weights."""
-    check_scales(scales, source, "The file is damaged: download it again, or use the bf16 file.")
+def _check_scale_values(scales: dict[str, torch.Tensor], formats: dict[str, str], compute: torch.dtype,
+                        source: str) -> None:
+    """The scales' values, read alone (a few numbers) before the weights, for the DiT computing in ``compute``."""
+    check_scale_values(scales, formats, compute, source, SCALE_ADVICE)
 
 
 # Where the community's single files put the released keys (ComfyUI's checkpoint layout); bare keys are the repack's.
@@ -219,29 +242,34 @@ def _prefix(keys) -> str:
     return next((prefix for prefix in PREFIXES if prefix + MARKER_KEY in keys), "")
 
 
-def _single_file_header(path: Path) -> tuple[Header, str, dict]:
-    """One safetensors file's DiT tensors (released keys), its prefix and the architecture, checked from the header
-    alone."""
+def _single_file_header(path: Path) -> tuple[Header, str, dict, dict[str, str]]:
+    """One safetensors file's DiT tensors (released keys), its prefix, the architecture and the quantized layers'
+    formats, checked from the header (and the layers' few bytes of configuration) alone."""
     header = read_header(path)
     prefix = _prefix(header)
     # Under a prefix, the file's other keys are the other models of a checkpoint (its VAE, text encoder): not read.
     dit = {k[len(prefix):]: v for k, v in header.items() if k.startswith(prefix)}
-    return dit, prefix, check_dit_header(dit, str(path), metadata=header_metadata(path))
+
+    def read(keys):
+        return {k[len(prefix):]: v for k, v in read_safetensors(path, [prefix + k for k in keys]).items()}
+
+    formats = quant_formats(dit, read, header_metadata(path), str(path), prefix)
+    return dit, prefix, check_dit_header(dit, str(path), formats=formats), formats
 
 
-def read_single_file(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+def read_single_file(path: Path, compute: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
     """The DiT's tensors (released keys; the file's other keys dropped) and architecture from one safetensors
-    file."""
-    dit, prefix, config = _single_file_header(path)  # before reading or building anything
+    file, for a DiT computing in ``compute``."""
+    dit, prefix, config, formats = _single_file_header(path)  # before reading or building anything
     scales = read_safetensors(path, [prefix + k for k in _scale_keys(dit)])
-    _check_scale_values({k[len(prefix):]: v for k, v in scales.items()}, str(path))
+    _check_scale_values({k[len(prefix):]: v for k, v in scales.items()}, formats, compute, str(path))
     state_dict = {k[len(prefix):]: v for k, v in read_safetensors(path, [prefix + k for k in dit]).items()}
     return state_dict, config
 
 
-def _folder_header(folder: Path) -> tuple[Header, dict[str, Path], dict]:
-    """A diffusers ``transformer/`` folder's tensors, the shard of each, and the architecture, checked from its
-    config and the shards' headers alone."""
+def _folder_header(folder: Path) -> tuple[Header, dict[str, Path], dict, dict[str, str]]:
+    """A diffusers ``transformer/`` folder's tensors, the shard of each, the architecture and the quantized layers'
+    formats, checked from its config and the shards' headers (and the layers' few bytes of configuration) alone."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ErnieImageError(f"{folder} has no config.json: it is not a diffusers model folder. Download it again.")
@@ -252,13 +280,15 @@ def _folder_header(folder: Path) -> tuple[Header, dict[str, Path], dict]:
             f"{folder} holds a {class_name}, not an ERNIE-Image transformer. Pick an ERNIE-Image snapshot folder."
         )
     header, where = read_folder_headers(folder)  # a truncated shard is named here
-    return header, where, check_dit_header(header, str(folder), config, str(config_path), header_metadata(folder))
+    formats = quant_formats(header, lambda keys: read_tensors(where, keys), header_metadata(folder), str(folder))
+    return header, where, check_dit_header(header, str(folder), config, str(config_path), formats), formats
 
 
-def read_transformer_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """The DiT's tensors and architecture from a diffusers ``transformer/`` folder (config + safetensors shards)."""
-    header, where, config = _folder_header(folder)
-    _check_scale_values(read_tensors(where, _scale_keys(header)), str(folder))
+def read_transformer_folder(folder: Path, compute: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
+    """The DiT's tensors and architecture from a diffusers ``transformer/`` folder (config + safetensors shards), for
+    a DiT computing in ``compute``."""
+    header, where, config, formats = _folder_header(folder)
+    _check_scale_values(read_tensors(where, _scale_keys(header)), formats, compute, str(folder))
     return read_tensors(where, header), config
 
 
@@ -292,11 +322,12 @@ def _dit_source(path: Path) -> Path:
     return path
 
 
-def read_dit(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+def read_dit(path: Path, compute: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
     """The DiT's tensors (released keys) and architecture from a snapshot folder, its ``transformer/`` folder, or a
-    single safetensors file."""
+    single safetensors file, for a DiT computing in ``compute`` (its scales are checked against that dtype's
+    range)."""
     source = _dit_source(path)
-    return read_transformer_folder(source) if source.is_dir() else read_single_file(source)
+    return read_transformer_folder(source, compute) if source.is_dir() else read_single_file(source, compute)
 
 
 def dit_config(path: Path) -> dict:

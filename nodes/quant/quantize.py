@@ -26,12 +26,13 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from ..cancel import check_cancel
 from ..errors import ErnieImageError
 from ..model_files import builds_weights
 from . import torchao_file
 from .capability import METHODS, probe, require
 from .requantize import Locations, Requantizer
-from .saved import QUANT_CONFIG, SavedDiTs
+from .saved import QUANT_CONFIG, SavedDiTs, non_finite
 
 _HEADROOM = 2 * 2**30  # GPU memory left for quantizing one layer beside the whole bf16 DiT
 # What cache-dit's quantize records on the module it quantized (its own checks read ``_is_quantized``).
@@ -103,6 +104,7 @@ def _read_saved_torchao(saved: SavedDiTs, source: Path, quant_type: str, version
         saved.discard(source, quant_type)
         return None
     transformer._is_quantized, transformer._quantize_type = True, quant_type  # as cache-dit marks what it quantized
+    transformer.source = str(entry / f"{quant_type}.safetensors")  # named should its weights make a NaN image
     logging.info("ERNIE-Image: read the DiT quantized to %s at an earlier load from %s in %.1f s", quant_type, entry,
                  time.perf_counter() - start)
     return transformer
@@ -164,11 +166,13 @@ def quantize_torchao(transformer: torch.nn.Module, quant_type: str, on: torch.de
             # filter; a block given alone is quantized whole by that filter (tests/test_quant_lowvram.py compares).
             with _one_pause_per_model():
                 for block in transformer.layers:
+                    check_cancel()
                     quantize(block.to(on), config)
                     block.to(home)
             for mark in _QUANTIZED_MARKS:  # as cache-dit marks a DiT it quantized whole
                 setattr(transformer, mark, getattr(transformer.layers[0], mark))
         else:
+            check_cancel()  # one call of cache-dit's: seconds on the GPU
             quantize(transformer.to(on), config)
             transformer.to(home)
     logging.info("ERNIE-Image: quantized the DiT to %s on %s%s in %.1f s", quant_type, on,
@@ -194,6 +198,28 @@ def _one_pause_per_model() -> Iterator[None]:
     pause()
 
 
+@contextlib.contextmanager
+def _cancel_per_layer() -> Iterator[None]:
+    """cache-dit's SVDQuant quantizes every layer in one call (minutes): its loop looks each layer up with
+    ``_get_named_submodule``, which here asks for Cancel first, so that Cancel stops it within one layer (and the
+    half-made entry goes with its ``.partial`` folder). Where cache-dit has no such function, as is."""
+    module = importlib.import_module("cache_dit.quantization.svdquant.ptq")
+    lookup = getattr(module, "_get_named_submodule", None)
+    if lookup is None:
+        yield
+        return
+
+    def checked(*args, **kwargs):
+        check_cancel()
+        return lookup(*args, **kwargs)
+
+    module._get_named_submodule = checked
+    try:
+        yield
+    finally:
+        module._get_named_submodule = lookup
+
+
 def load_or_build_svdq(
     load: Callable[[], torch.nn.Module],
     quant_type: str,
@@ -210,13 +236,16 @@ def load_or_build_svdq(
     saved = cache.lookup(source, quant_type, versions)
     if saved is not None:
         try:
+            bad = non_finite(saved / f"{quant_type}.safetensors")
+            if bad is not None:
+                raise ErnieImageError(f"{bad} holds values that are not finite")
             return cache_dit.load(load(), str(saved))
         except _LOAD_ERRORS as e:
             logging.warning("ERNIE-Image: cannot load the saved SVDQuant DiT %s (%s); quantizing again", saved, e)
             cache.discard(source, quant_type)
     svdq_kwargs = {"quantize_device": device.type, "offload_quantized_layers_to_cpu": True}
     start = time.perf_counter()
-    with cache.build(source, quant_type, versions) as folder:
+    with cache.build(source, quant_type, versions) as folder, _cancel_per_layer():
         config = cache_dit.QuantizeConfig(quant_type=quant_type, serialize_to=str(folder), svdq_kwargs=svdq_kwargs)
         transformer = cache_dit.quantize(load(), config)
     logging.info("ERNIE-Image: quantized the DiT to %s in %.0f s, saved as %s", quant_type,

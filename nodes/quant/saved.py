@@ -8,7 +8,12 @@ writes ``quant_config.json``, read back by ``cache_dit.load``; torchao's FP8 wei
 and ``ernie_image_entry.json``, the record of what it was made from: the source's path and each weight file's name,
 size and modification time, the method and the versions. An entry whose record does not match, or whose files are
 missing or damaged, is removed and built again. A new entry is written in a ``.partial`` folder and renamed into
-place when complete, so an interrupted build never looks finished.
+place when complete, so an interrupted build (Cancel too) never looks finished.
+
+The folder lies among the models, so an entry is read as a downloaded file is, untrusted: a symbolic link in place
+of an entry or of one of its files is not followed (the link alone is removed, and the entry made again), and the
+weights' values are checked before they are used (``non_finite`` here; the torchao file's scales in
+``torchao_file``).
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError, safe_open
 
+from ..cancel import check_cancel
 from ..errors import ErnieImageError
-from ..model_files import file_stamps
+from ..model_files import file_stamps, read_header, read_safetensors
 
 FORMAT = 1  # of this folder layout and record
 RECORD = "ernie_image_entry.json"
@@ -59,7 +66,7 @@ def _newest_change(folder: Path) -> float:
 def _read_record(path: Path) -> dict | None:
     try:
         record = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return record if isinstance(record, dict) and "checkpoint_bytes" in record else None
 
@@ -84,8 +91,15 @@ class SavedDiTs:
     def problem(self, source: Path, method: str, versions: dict[str, str]) -> str | None:
         """Why the saved entry cannot be used (there is none, stale, damaged), or None when it can."""
         entry = self.entry(source, method)
+        if entry.is_symlink():
+            return f"it is a symbolic link, which the pack does not follow in {self.root}"
         if not entry.is_dir():
             return "there is no saved copy"
+        checkpoint = entry / f"{method}.safetensors"
+        files = (entry / RECORD, checkpoint, *(entry / name for name in self.beside))
+        linked = [f.name for f in files if f.is_symlink()]
+        if linked:
+            return f"{linked[0]} is a symbolic link, which the pack does not follow there"
         saved = _read_record(entry / RECORD)
         if saved is None:
             return f"its record {RECORD} is missing or unreadable"
@@ -95,7 +109,6 @@ class SavedDiTs:
             return "the source weights changed since it was made"
         if saved != expected:
             return f"it was made for {saved.get('method')} with {saved.get('versions')}, not {versions}"
-        checkpoint = entry / f"{method}.safetensors"
         for needed in (checkpoint, *(entry / name for name in self.beside)):
             if not needed.is_file():
                 return f"{needed.name} is missing"
@@ -106,8 +119,8 @@ class SavedDiTs:
                 pass
             for name in self.beside:
                 json.loads((entry / name).read_text())
-        except (SafetensorError, OSError, ValueError) as e:
-            return f"it is damaged ({e})"
+        except (SafetensorError, OSError, ValueError, RecursionError) as e:
+            return f"it is damaged ({str(e)[:200]})"
         return None
 
     def lookup(self, source: Path, method: str, versions: dict[str, str]) -> Path | None:
@@ -115,15 +128,20 @@ class SavedDiTs:
         reason = self.problem(source, method, versions)
         if reason is None:
             return self.entry(source, method)
-        if self.entry(source, method).exists():
+        if self.entry(source, method).exists() or self.entry(source, method).is_symlink():
             logging.warning("ERNIE-Image: the saved quantized DiT %s cannot be used (%s); quantizing again",
                             self.entry(source, method), reason)
             self.discard(source, method)
         return None
 
     def discard(self, source: Path, method: str) -> None:
-        """Remove the entry of ``source`` and ``method``, if any."""
-        shutil.rmtree(self.entry(source, method), ignore_errors=True)
+        """Remove the entry of ``source`` and ``method``, if any (a link in its place: the link, not what it points
+        to)."""
+        entry = self.entry(source, method)
+        if entry.is_symlink():
+            entry.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(entry, ignore_errors=True)
 
     @contextmanager
     def build(self, source: Path, method: str, versions: dict[str, str]) -> Iterator[Path]:
@@ -154,3 +172,14 @@ class SavedDiTs:
             partial.rename(entry)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
+
+
+def non_finite(checkpoint: Path) -> str | None:
+    """The first floating-point tensor of a saved checkpoint that holds a NaN or an infinity, or None; read one
+    tensor at a time (Cancel between them)."""
+    for name in read_header(checkpoint):
+        check_cancel()
+        (tensor,) = read_safetensors(checkpoint, [name]).values()
+        if tensor.is_floating_point() and tensor.dtype.itemsize > 1 and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None

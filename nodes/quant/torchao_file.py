@@ -4,8 +4,10 @@ torchao's quantized weights are tensor subclasses. Its safetensors support (``to
 each as its plain tensors (``<layer>._weight_qdata``, ``<layer>._weight_scale``) with the subclass's attributes as
 JSON in the header, and rebuilds only the classes on its allowlist. ``write`` writes that layout without torchao's
 flatten, which clones every tensor (a second copy of the DiT in host memory). ``read_into`` reads it back into a DiT
-skeleton after checking the file's every name, shape and dtype against the skeleton and its scales for non-finite
-values: the file lies in the models folder, so it is read as any model file is, untrusted.
+skeleton after checking the file's every name, shape and dtype against the skeleton (a Float8Tensor's data in e4m3,
+as the pack's methods make it, with one fp32 scale per row) and its scales' values as a downloaded file's are
+(``quant_layout.check_scale``: positive, normal, 448 times each within the compute dtype): the file lies in the
+models folder, so it is read as any model file is, untrusted.
 
 Float8Tensor (``fp8_per_row``, ``fp8_weight_only``) is on torchao's allowlist. Its INT8 weight-only tensor (an
 ``AffineQuantizedTensor``) is not, so ``savable`` is false for ``int8_weight_only``, which quantizes at every load.
@@ -20,11 +22,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..errors import ErnieImageError
+from ..cancel import check_cancel
+from ..errors import ErnieImageError, quoted
 from ..model_files import read_header, read_safetensors
+from ..quant_layout import check_scale
 
 PLAIN = "Tensor"  # torchao's ``_type`` of a plain tensor
-_FP8 = ("F8_E4M3", "F8_E5M2")  # safetensors' names of the fp8 dtypes a Float8Tensor's data is held in
+FP8, FORMAT = "F8_E4M3", "float8_e4m3fn"  # what the pack's fp8 methods hold a Float8Tensor's data in
 _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 
 
@@ -57,6 +61,7 @@ def write(transformer: torch.nn.Module, path: Path) -> None:
     tensors: dict[str, torch.Tensor] = {}
     metadata: dict[str, str] = {}
     for name, tensor in transformer.state_dict().items():
+        check_cancel()
         if _is_torchao(tensor):
             layer, attribute = name.rsplit(".", 1)
             for data in _data_names(tensor):
@@ -74,9 +79,16 @@ def _damaged(path: Path, what: str) -> ErnieImageError:
     return ErnieImageError(f"The saved quantized DiT {path} is damaged or from another version of the pack ({what}).")
 
 
+def _json(text: str) -> object:
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def _description(metadata: dict[str, str], name: str, path: Path) -> dict:
     try:
-        description = json.loads(metadata[name])
+        description = _json(metadata[name])
     except (KeyError, ValueError):
         raise _damaged(path, f"no readable description of {name}") from None
     if not isinstance(description, dict) or not (description.get("_type") == PLAIN or (
@@ -88,7 +100,7 @@ def _description(metadata: dict[str, str], name: str, path: Path) -> dict:
 def _check(path: Path, metadata: dict[str, str], expected: dict[str, torch.Tensor]) -> dict[str, dict]:
     """Each tensor's description, once the header holds exactly the skeleton's names, shapes and dtypes."""
     try:
-        names = json.loads(metadata.get("tensor_names", "null"))
+        names = _json(metadata.get("tensor_names", "null"))
     except ValueError:
         names = None
     if not isinstance(names, list) or set(names) != set(expected):
@@ -110,11 +122,16 @@ def _check(path: Path, metadata: dict[str, str], expected: dict[str, torch.Tenso
         parts = {data: header.get(f"{layer}._{attribute}_{data}") for data in description["_tensor_data_names"]}
         stored |= {f"{layer}._{attribute}_{data}" for data in parts}
         qdata, scale = parts.get("qdata"), parts.get("scale")
-        if qdata is None or tuple(qdata.shape) != want or qdata.dtype not in _FP8 or scale is None \
-                or scale.shape[:1] != want[:1]:
-            raise _damaged(path, f"{name}'s quantized data is not an fp8 {list(want)} with a scale per row")
+        data = description.get("_data")
+        block_size = data.get("block_size") if isinstance(data, dict) else None  # [1, in]: one scale per row
+        if qdata is None or tuple(qdata.shape) != want or qdata.dtype != FP8 or scale is None \
+                or tuple(scale.shape) != (want[0], 1) or scale.dtype != "F32" or block_size != [1, want[-1]]:
+            raise _damaged(path, f"{name}'s quantized data is not an e4m3 {list(want)} with one fp32 scale per row "
+                           f"(it is {qdata and qdata.dtype} {qdata and list(qdata.shape)}, its scale "
+                           f"{scale and scale.dtype} {scale and list(scale.shape)})")
     if set(header) != stored:
-        raise _damaged(path, f"it holds other tensors too, e.g. {sorted(set(header) - stored)[:2]}")
+        others = [quoted(name) for name in sorted(set(header) - stored)[:2]]
+        raise _damaged(path, f"it holds other tensors too, e.g. {others}")
     return described
 
 
@@ -129,11 +146,21 @@ def read_into(skeleton: torch.nn.Module, path: Path) -> torch.nn.Module:
     except (SafetensorError, OSError) as e:
         raise _damaged(path, str(e)) from e
     expected = skeleton.state_dict()
-    _check(path, metadata, expected)  # before reading any weight
-    tensors = read_safetensors(path)
-    for name, tensor in tensors.items():
+    described = _check(path, metadata, expected)  # before reading any weight
+    scales = {f"{name.rsplit('.', 1)[0]}._{name.rsplit('.', 1)[1]}_scale": expected[name].dtype
+              for name, description in described.items() if description["_type"] != PLAIN}
+    tensors = {}
+    for name in read_header(path):
+        check_cancel()
+        (tensors[name],) = read_safetensors(path, [name]).values()
+        tensor = tensors[name]
         if tensor.is_floating_point() and tensor.dtype.itemsize > 1 and not torch.isfinite(tensor).all():
             raise _damaged(path, f"{name} holds values that are not finite")
+        if name in scales:
+            try:
+                check_scale(name, tensor, FORMAT, scales[name], str(path), "")
+            except ErnieImageError as e:
+                raise _damaged(path, str(e).removeprefix(f"{path}: ").strip().rstrip(".")) from None
     weights, leftover = unflatten_tensor_state_dict(tensors, metadata)
     if leftover:
         raise _damaged(path, f"torchao did not take {sorted(leftover)[:2]}")

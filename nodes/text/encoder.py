@@ -21,11 +21,13 @@ TEXT_ENCODER_CLASSES = ("Mistral3Model", "Mistral3ForConditionalGeneration")
 
 
 class ErnieTextEncoder:
-    """A tokenizer and the language model that turns prompts into ERNIE-Image text embeddings."""
+    """A tokenizer and the language model that turns prompts into ERNIE-Image text embeddings; ``source``: the file
+    or folder its weights came from, named when they make embeddings no image can be made from."""
 
-    def __init__(self, language_model: torch.nn.Module, tokenizer):
+    def __init__(self, language_model: torch.nn.Module, tokenizer, source: str = "the text encoder"):
         self.language_model = language_model.eval()
         self.tokenizer = tokenizer
+        self.source = source
 
     @classmethod
     def from_snapshot(cls, snapshot: Path, dtype: torch.dtype, fp8: bool = False) -> ErnieTextEncoder:
@@ -55,7 +57,7 @@ class ErnieTextEncoder:
             raise ErnieImageError(f"Cannot load the text encoder in {snapshot} ({e}). Download it again.") from e
         model = load_ministral_folder(encoder_dir, text_config, dtype, what="text encoder", lm_head=False,
                                       instead="download the whole snapshot again", fp8=fp8)
-        return cls(model.model, tokenizer)
+        return cls(model.model, tokenizer, str(encoder_dir))
 
     @classmethod
     def from_single_file(cls, path: Path, dtype: torch.dtype, fp8: bool = False) -> ErnieTextEncoder:
@@ -68,7 +70,7 @@ class ErnieTextEncoder:
         # a tokenizer converted from tekken.json does not unless told to.
         tokenizer.add_bos_token = True
         tokenizer.update_post_processor()
-        return cls(model.model, tokenizer)
+        return cls(model.model, tokenizer, str(path))
 
     @property
     def embedding_dim(self) -> int:
@@ -82,7 +84,14 @@ class ErnieTextEncoder:
 
     @torch.no_grad()
     def encode(self, text: str, device: torch.device) -> torch.Tensor:
-        """The ``[T, D]`` embedding of one prompt, computed on ``device``."""
+        """The ``[T, D]`` embedding of one prompt, computed on ``device``; an error naming the weights' file when it
+        holds a NaN or an infinity (weights with absurd values: the DiT would sample a black image from it)."""
         input_ids = torch.tensor([self.token_ids(text)], device=device)
         outputs = self.language_model(input_ids=input_ids, output_hidden_states=True)
-        return outputs.hidden_states[-2][0]
+        embedding = outputs.hidden_states[-2][0]
+        if not bool(torch.isfinite(embedding).all()):
+            raise ErnieImageError(
+                f"The text encoder {self.source} made text embeddings that are not finite (NaN or infinity): its "
+                "weights hold values no prompt can be encoded with, so the image would be black. The file is damaged: "
+                "download it again, or load another text encoder file.")
+        return embedding
