@@ -26,15 +26,10 @@ _WORDS = (
     "photo painting style detailed portrait landscape of with and in at"
 ).split()
 
-# The PE chat template: the user message is the JSON prompt; no generation prompt is added
-# (Baidu's template ends the user block with the answer cue itself).
-PE_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}[SYSTEM]{{ message['content'] }}[/SYSTEM]"
-    "{% elif message['role'] == 'user' %}[INST]{{ message['content'] }}[/INST]Output:"
-    "{% else %}{{ message['content'] }}</s>{% endif %}"
-    "{% endfor %}"
-)
+# The PE chat template: the pack's copy of Baidu's, as a real snapshot's pe_tokenizer/ carries it (the local PE renders
+# no other: a folder with another template gets a warning and this one).
+PE_CHAT_TEMPLATE = (Path(__file__).resolve().parents[1] / "nodes" / "pe" / "local" / "chat_template.jinja").read_text(
+    encoding="utf-8")
 
 TINY_DIT = dict(
     hidden_size=64,
@@ -219,6 +214,7 @@ def make_pipeline(seed: int = 0, with_pe: bool = True):
     pe = pe_tokenizer = None
     if with_pe:
         pe_tokenizer = make_tokenizer(PE_CHAT_TEMPLATE)
+        pe_tokenizer.model_max_length = 4096  # Baidu's system prompt alone is 382 tokens of this byte-level vocabulary
         pe = make_pe(pe_tokenizer, generator)
 
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=4.0)

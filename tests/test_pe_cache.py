@@ -15,7 +15,7 @@ import torch
 
 from comfyui_ernie_image.nodes.pe import cache as cache_module
 from comfyui_ernie_image.nodes.pe.cache import ResultCache, cache_key, enhance_cached
-from comfyui_ernie_image.nodes.pe.local import enhancer as local_module
+from comfyui_ernie_image.nodes.pe.local import template as template_module
 from comfyui_ernie_image.nodes.pe.local.decode import PlainDecoder
 from comfyui_ernie_image.nodes.pe.local.enhancer import DECODE_MODES, LocalPromptEnhancer
 from comfyui_ernie_image.nodes.pe.protocol import Completion, EnhancerError, PromptSpec, SamplingParams
@@ -287,22 +287,20 @@ def _same_size_and_time(path, edit) -> None:
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
 
-def test_the_local_identity_records_the_chat_template_of_a_folder(tiny_models, tmp_path):
+def test_the_local_identity_records_the_chat_template_rendered_not_a_folders_unknown_one(tiny_models, tmp_path):
+    """A folder's template the pack does not know is never rendered (issue 41): Baidu's is, and so it is the key's
+    template; the file's own change is still seen by its size and time (``source.identity``)."""
     folder = tmp_path / "pe"
     shutil.copytree(tiny_models["pe_folder"], folder)
     before = key_of(local(folder))
-    template = folder / "chat_template.jinja"
-    if template.is_file():
-        _same_size_and_time(template, lambda text: text.replace("[INST]", "[ISNT]", 1))
-    else:
-        _same_size_and_time(folder / "tokenizer_config.json", lambda text: text.replace("[INST]", "[ISNT]", 1))
-    assert key_of(local(folder)) != before
+    _same_size_and_time(folder / "chat_template.jinja", lambda text: text.replace("[INST]", "[ISNT]", 1))
+    assert key_of(local(folder)) == before
 
 
 def test_the_local_identity_records_the_template_given_to_a_single_file(tiny_models, tmp_path, monkeypatch):
     """ComfyUI's repack carries no template: the pack's copy of Baidu's is used, and it is part of the key."""
     before = key_of(local(tiny_models["pe_single_file"]))
     other = tmp_path / "chat_template.jinja"
-    other.write_text(local_module.BAIDU_CHAT_TEMPLATE.read_text(encoding="utf-8") + " ", encoding="utf-8")
-    monkeypatch.setattr(local_module, "BAIDU_CHAT_TEMPLATE", other)
+    other.write_text(template_module.BAIDU_CHAT_TEMPLATE.read_text(encoding="utf-8") + " ", encoding="utf-8")
+    monkeypatch.setattr(template_module, "BAIDU_CHAT_TEMPLATE", other)
     assert key_of(local(tiny_models["pe_single_file"])) != before

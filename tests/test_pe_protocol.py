@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from transformers import TopPLogitsWarper
 
 from comfyui_ernie_image.nodes.pe.local.decode import sample_top_p, uniform_draws
-from comfyui_ernie_image.nodes.pe.local.weights import BAIDU_CHAT_TEMPLATE
+from comfyui_ernie_image.nodes.pe.local.template import BAIDU_CHAT_TEMPLATE
 from comfyui_ernie_image.nodes.pe.protocol import (
     EnhancerError,
     PromptSpec,

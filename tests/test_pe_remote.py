@@ -20,7 +20,7 @@ from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, Sam
 from comfyui_ernie_image.nodes.pe.remote import enhancer as remote_module
 from comfyui_ernie_image.nodes.pe.remote.enhancer import RemotePromptEnhancer
 from comfyui_ernie_image.nodes.pe.runtime import Runtime
-from helpers.pe_servers import Reply, chat_body, chat_reply, models_reply, remote
+from helpers.pe_servers import Reply, chat_body, chat_reply, models_reply, name_in_environment, remote
 from scripts.comfy_headless import free_port
 
 PROMPTS = [PromptSpec("a cat"), PromptSpec("a big dog on a red mat", 848, 1264), PromptSpec("一只猫 🐱", 1264, 848)]
@@ -154,7 +154,8 @@ def test_fault_injecting_a_stall_mid_answer_is_reported_as_a_timeout(fault):
     assert time.monotonic() - started < 3
 
 
-def test_fault_injecting_other_4xx_fail_at_once_with_the_servers_words(fault):
+def test_fault_injecting_other_4xx_fail_at_once_with_the_servers_words(fault, monkeypatch):
+    name_in_environment(monkeypatch, fault.url)  # only a server named there is quoted
     fault.default = Reply(404, {"error": {"message": "The model `pe` does not exist.", "code": 404}})
     with pytest.raises(EnhancerError, match=r"answered HTTP 404: The model `pe` does not exist. \(check base_url and "
                                             r"the model name 'pe'\)"):
@@ -177,7 +178,8 @@ def test_fault_injecting_other_4xx_fail_at_once_with_the_servers_words(fault):
         (chat_reply(None, "length"), r"returned an empty enhanced prompt \(finish_reason='length'\)"),
     ],
 )
-def test_fault_injecting_malformed_or_empty_answers_are_clear_errors(fault, reply, words):
+def test_fault_injecting_malformed_or_empty_answers_are_clear_errors(fault, reply, words, monkeypatch):
+    name_in_environment(monkeypatch, fault.url)  # the content type and finish_reason are its words
     fault.script = [reply]
     with pytest.raises(EnhancerError, match=words):
         remote(fault.url, model="pe").enhance(PROMPTS[:1], SAMPLED)

@@ -30,6 +30,7 @@ from helpers.pe_servers import (
     chat_reply,
     key_not_sent,
     models_reply,
+    name_in_environment,
     remote,
 )
 from scripts.comfy_headless import free_port
@@ -232,7 +233,8 @@ def test_a_redirect_to_another_host_is_not_followed_fault_server(fault, other_ho
     assert other_host.received == []
 
 
-def test_a_redirect_to_the_same_host_is_not_followed_either_fault_server(fault):
+def test_a_redirect_to_the_same_host_is_not_followed_either_fault_server(fault, monkeypatch):
+    name_in_environment(monkeypatch, fault.url)  # the target is its words: told only of a server named there
     fault.default = Reply(301, {}, headers={"Location": "/other/v1/chat/completions"})
     with pytest.raises(EnhancerError, match=rf"answered HTTP 301, a redirect to {fault.url}: redirects are not"):
         remote(fault.url, model="pe").enhance(PROMPT, SAMPLED)
@@ -252,7 +254,8 @@ LONG = "the model is busy; " * 30
     ("<html><body>router admin page: wifi password hunter2</body></html>", " (check"),
     ({"data": ["a", "b"]}, " (check"),
 ])
-def test_an_error_quotes_only_the_servers_own_json_message_capped_fault_server(fault, body, quoted):
+def test_an_error_quotes_only_the_servers_own_json_message_capped_fault_server(fault, body, quoted, monkeypatch):
+    name_in_environment(monkeypatch, fault.url)
     fault.default = Reply(400, body)
     with pytest.raises(EnhancerError) as error:
         remote(fault.url, model="pe").enhance(PROMPT, SAMPLED)
@@ -461,7 +464,8 @@ def test_a_server_that_swaps_its_checkpoint_is_asked_again_fault_server(fault, t
     assert len(fault.chats) == 2
 
 
-def test_a_server_without_a_model_listing_is_known_by_the_given_name_fault_server(fault):
+def test_a_server_without_a_model_listing_is_known_by_the_given_name_fault_server(fault, monkeypatch):
+    name_in_environment(monkeypatch, fault.url)
     fault.models = Reply(404, {"detail": "Not Found"})
     assert remote(fault.url, model="pe").identity == f"remote:{fault.url}/v1|pe|"
     with pytest.raises(EnhancerError, match=rf"^{fault.url}/v1/models answered HTTP 404: Not Found \(check base_url"):

@@ -1,10 +1,10 @@
-"""Issue 24, the remote PE and a stranger's workflow: where a bound key may go (the path too), whose words an error may
-quote, what a refusal tells about the user's environment, whose texts the result cache serves, and who may read it.
+"""Issues 24 and 41, the remote PE and a stranger's workflow: where a bound key may go (the path too), whose words an
+error may quote (only a server named in the environment's: a local service on another port is a stranger too), what
+a refusal tells about the user's environment, whose texts the result cache serves, who may read it, link-local
+addresses (refused, also behind a name), and answers nested too deeply to parse.
 
 Against the real ``transformers serve`` behind a recording proxy, and the fault server for the answers a real server
-will not give (named so). Every server here listens on loopback: the quoting rule is tested on addresses, and end to
-end through ``http://127.1:<port>``, a name for the loopback fault server that the rule (which resolves no names)
-does not take for this machine, as it would not take a host on the user's network."""
+will not give (named so). Every server here listens on loopback, which is a stranger until named."""
 
 from __future__ import annotations
 
@@ -18,15 +18,15 @@ from comfyui_ernie_image.nodes.pe.cache import ResultCache, enhance_cached
 from comfyui_ernie_image.nodes.pe.nodes import ErnieImagePERemote, ErnieImagePromptEnhance, result_cache
 from comfyui_ernie_image.nodes.pe.protocol import Completion, EnhancerError, PromptSpec, SamplingParams
 from comfyui_ernie_image.nodes.pe.remote.key_policy import trusted_server
-from comfyui_ernie_image.nodes.pe.remote.url import is_loopback, parse_api_root
-from helpers.pe_servers import RecordingProxy, Reply, key_not_sent, models_reply, remote
+from comfyui_ernie_image.nodes.pe.remote.url import is_link_local, parse_api_root
+from helpers.pe_servers import RecordingProxy, Reply, key_not_sent, models_reply, name_in_environment, remote
 
 PROMPT = [PromptSpec("a red kite over the sea", 1024, 1024)]
 SAMPLED = SamplingParams(temperature=0.6, top_p=0.8, max_new_tokens=16, seed=5)
 KEY, SECRET = "ERNIE_PE_API_KEY_STRANGER", "sk-stranger-0123456789"
 NOT_SENT = key_not_sent(KEY)
-UNQUOTED = ("its own words are not shown: only a server on this machine or the one an api_key_env key is bound to "
-            "is quoted")
+UNQUOTED = ("its answer is not shown: only a server named in the environment, by its address in an "
+            "ERNIE_PE_API_KEY_<NAME>_URL variable, is quoted")
 
 
 def remote_node(base_url: str, api_key_env: str = "", model: str = ""):
@@ -79,42 +79,35 @@ def test_unset_unbound_and_misbound_keys_are_refused_in_the_same_words(monkeypat
 # --- whose words an error may quote --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("host", "loopback"), [
-    ("127.0.0.1", True), ("127.3.4.5", True), ("::1", True), ("localhost", True), ("localhost.", True),
-    ("::ffff:127.0.0.1", True),
-    ("10.0.0.5", False), ("192.168.1.2", False), ("169.254.169.254", False), ("pe.example.com", False),
-    ("0.0.0.0", False), ("::ffff:10.0.0.1", False), ("localhost.example.com", False), ("127.1", False),
-    ("127.0.0.1.nip.io", False), ("::", False),
-])
-def test_only_this_machine_by_its_address_counts_as_loopback(host, loopback):
-    """Judged by the written address, never by resolving a name (what a name resolves to can change)."""
-    assert is_loopback(host) is loopback
-
-
-def test_a_server_is_quoted_when_on_this_machine_or_bound_to_the_key(monkeypatch):
+def test_a_server_is_quoted_only_when_named_in_the_environment(monkeypatch):
+    """On main any loopback port was trusted: a workflow's base_url aimed at another local service read its words."""
+    for name in [n for n in os.environ if n.startswith("ERNIE_PE_API_KEY")]:
+        monkeypatch.delenv(name)
+    assert not trusted_server(parse_api_root("http://127.0.0.1:8000"))
     monkeypatch.setenv(KEY, SECRET)
     monkeypatch.setenv(f"{KEY}_URL", "https://pe.example.com/team")
-    assert trusted_server(parse_api_root("http://127.0.0.1:8000"), "")
-    assert trusted_server(parse_api_root("https://pe.example.com/team/v1"), KEY)
-    assert not trusted_server(parse_api_root("https://pe.example.com/other/v1"), KEY)
-    assert not trusted_server(parse_api_root("https://pe.example.com/team/v1"), "")  # no key: any host
-    assert not trusted_server(parse_api_root("http://10.0.0.5:8080"), "")
+    monkeypatch.setenv("ERNIE_PE_API_KEY_LOCAL_URL", "http://127.0.0.1:8000")  # a server without a key: the address
+    monkeypatch.setenv("ERNIE_PE_API_KEY_BAD_URL", "not an address")  # names nothing, and breaks nothing
+    monkeypatch.setenv("OTHER_SERVICE_URL", "http://10.0.0.5:8080")  # not a variable of the pack's
+    assert trusted_server(parse_api_root("https://pe.example.com/team/v1"))
+    assert trusted_server(parse_api_root("http://127.0.0.1:8000"))
+    assert not trusted_server(parse_api_root("https://pe.example.com/other/v1"))
+    assert not trusted_server(parse_api_root("http://127.0.0.1:8001"))  # another port of this machine
+    assert not trusted_server(parse_api_root("http://localhost:8000"))  # names are compared as written
+    assert not trusted_server(parse_api_root("http://10.0.0.5:8080"))
 
 
-def _stranger(fault) -> str:
-    return f"http://127.1:{fault.port}"
-
-
-def test_another_hosts_error_text_is_not_quoted_fault_server(fault):
-    """On main any host's JSON error message (200 characters) reached ComfyUI's error: a workflow's base_url aimed at
-    a service on the user's network read its answers back."""
-    fault.default = Reply(status=400, body={"error": {"message": "internal: db password is hunter2"}})
+def test_a_local_services_error_text_is_not_quoted_unless_named_fault_server(fault, monkeypatch):
+    """On main the fault server on 127.0.0.1, standing for another local service, had its JSON error message quoted
+    (200 characters) in ComfyUI's error, which a workflow's author may read back."""
+    fault.default = Reply(status=400, body={"error": {"message": "internal: token=abc123"}})
     with pytest.raises(EnhancerError) as error:
-        remote(_stranger(fault), model="pe", max_retries=0).enhance(PROMPT, SAMPLED)
-    assert str(error.value) == (f"{_stranger(fault)}/v1/chat/completions answered HTTP 400 ({UNQUOTED}) (check "
+        remote(fault.url, model="pe", max_retries=0).enhance(PROMPT, SAMPLED)
+    assert str(error.value) == (f"{fault.url}/v1/chat/completions answered HTTP 400 ({UNQUOTED}) (check "
                                 "base_url and the model name 'pe')")
-    with pytest.raises(EnhancerError, match="answered HTTP 400: internal: db password is hunter2 "):
-        remote(fault.url, model="pe", max_retries=0).enhance(PROMPT, SAMPLED)  # 127.0.0.1: this machine's own
+    name_in_environment(monkeypatch, fault.url)
+    with pytest.raises(EnhancerError, match="answered HTTP 400: internal: token=abc123 "):
+        remote(fault.url, model="pe", max_retries=0).enhance(PROMPT, SAMPLED)
 
 
 @pytest.mark.parametrize("reply", [
@@ -123,23 +116,90 @@ def test_another_hosts_error_text_is_not_quoted_fault_server(fault):
     Reply(body="<html>hunter2</html>", headers={"Content-Type": "text/hunter2"}),
     Reply(body={"choices": [{"message": {"content": ""}, "finish_reason": "hunter2"}]}),
 ])
-def test_no_header_or_field_of_another_host_reaches_an_error_fault_server(fault, reply):
+def test_no_header_or_field_of_a_server_not_named_reaches_an_error_fault_server(fault, reply, monkeypatch):
     """The redirect's target, the content type, finish_reason: the host's words too."""
     fault.default = reply
     with pytest.raises(EnhancerError) as error:
-        remote(_stranger(fault), model="pe", max_retries=0).enhance(PROMPT, SAMPLED)
-    assert _stranger(fault) in str(error.value) and "hunter2" not in str(error.value), str(error.value)
+        remote(fault.url, model="pe", max_retries=0).enhance(PROMPT, SAMPLED)
+    assert fault.url in str(error.value) and "hunter2" not in str(error.value), str(error.value)
+    name_in_environment(monkeypatch, fault.url)
     with pytest.raises(EnhancerError, match="hunter2"):
         remote(fault.url, model="pe", max_retries=0).enhance(PROMPT, SAMPLED)
 
 
-def test_the_model_another_host_lists_is_not_echoed_fault_server(fault):
+def test_the_model_a_server_not_named_lists_is_not_echoed_fault_server(fault):
     fault.models = models_reply({"id": "hunter2-internal-model", "object": "model"})
     fault.default = Reply(status=404, body={})
     with pytest.raises(EnhancerError) as error:
-        remote(_stranger(fault), max_retries=0).enhance(PROMPT, SAMPLED)
+        remote(fault.url, max_retries=0).enhance(PROMPT, SAMPLED)
     assert "hunter2" not in str(error.value)
     assert str(error.value).endswith(f"({UNQUOTED}) (check base_url, and give the model name in 'model')")
+
+
+# --- link-local addresses --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("address", "link_local"), [
+    ("169.254.169.254", True), ("169.254.0.1", True), ("fe80::1", True), ("fe80::1%eth0", True),
+    ("::ffff:169.254.169.254", True), ("127.0.0.1", False), ("10.0.0.5", False), ("fd00:ec2::254", False),
+    ("pe.example.com", False), ("2852039166", False),  # names: what they resolve to decides, at the connection
+])
+def test_link_local_addresses(address, link_local):
+    assert is_link_local(address) is link_local
+
+
+@pytest.mark.parametrize(("base_url", "host"), [
+    ("http://169.254.169.254", "169.254.169.254"), ("http://169.254.170.2:80/v1", "169.254.170.2"),
+    ("http://[fe80::1]:8000", "fe80::1"), ("http://[::ffff:169.254.169.254]", "::ffff:169.254.169.254"),
+])
+def test_a_link_local_base_url_is_refused_before_any_request(base_url, host):
+    """On main the workflow's base_url reached the cloud's metadata service (169.254.169.254 hands out credentials)."""
+    with pytest.raises(EnhancerError) as error:
+        remote_node(base_url)
+    assert str(error.value) == (f"base_url's host is the link-local address {host} (169.254.0.0/16, fe80::/10), "
+                                "where cloud metadata services answer and never a prompt enhancer: nothing is sent "
+                                "there; give the enhancer server's address")
+
+
+def test_a_name_that_resolves_to_a_link_local_address_is_refused_before_connecting(monkeypatch):
+    """``2852039166`` is 169.254.169.254 written as one number: no address by the pack's reading, but the resolver's
+    (``getaddrinfo``) makes it one. On main the request went out (here, with no route: a connection error)."""
+    for proxy in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    handle = remote_node("http://2852039166:8000", model="pe")
+    with pytest.raises(EnhancerError) as error:
+        handle.enhance(PROMPT, SAMPLED)
+    assert str(error.value) == (
+        "http://2852039166:8000/v1/chat/completions was not requested: 2852039166 resolves to the link-local address "
+        "169.254.169.254 (169.254.0.0/16, fe80::/10), where cloud metadata services answer and never a prompt "
+        "enhancer: nothing is sent there; give the enhancer server's address")
+
+
+# --- answers nested too deeply ----------------------------------------------------------------------------------------
+
+NESTED = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("where", ["chat", "models"])
+def test_an_answer_nested_too_deeply_is_refused_in_words_fault_server(fault, where):
+    """On main 100,000 nested arrays (200 KB, within the size cap) ended in a RecursionError."""
+    if where == "models":
+        fault.models = Reply(body=NESTED)
+    else:
+        fault.default = Reply(body=NESTED)
+    endpoint = "models" if where == "models" else "chat/completions"
+    with pytest.raises(EnhancerError) as error:
+        remote(fault.url, max_retries=0).enhance(PROMPT, SAMPLED)
+    assert str(error.value) == f"malformed answer from {fault.url}/v1/{endpoint}: JSON nested too deeply (200000 bytes)"
+
+
+def test_an_error_answer_nested_too_deeply_is_told_by_its_status_fault_server(fault, monkeypatch):
+    name_in_environment(monkeypatch, fault.url)  # its words would be quoted: there are none to find
+    fault.default = Reply(status=400, body=NESTED)
+    with pytest.raises(EnhancerError) as error:
+        remote(fault.url, model="pe", max_retries=0).enhance(PROMPT, SAMPLED)
+    assert str(error.value) == (f"{fault.url}/v1/chat/completions answered HTTP 400 (check base_url and the model "
+                                "name 'pe')")
 
 
 # --- whose texts the cache serves -----------------------------------------------------------------------------------

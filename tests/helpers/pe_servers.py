@@ -261,3 +261,9 @@ def key_not_sent(name: str) -> str:
         "in the environment ComfyUI starts from, outside the workflow, so that a shared workflow cannot send your key "
         f"elsewhere. Fix: set {name} to the key and {name}_URL to the address of the server it belongs to, there, and "
         "use that server's base_url; or clear api_key_env when the server needs no key")
+
+
+def name_in_environment(monkeypatch, url: str, name: str = "ERNIE_PE_API_KEY_TESTS") -> None:
+    """Name the server at ``url`` in the environment, as a user names theirs (``<name>_URL``, no key): only such a
+    server's own words are quoted in errors (issue 41)."""
+    monkeypatch.setenv(f"{name}_URL", url)

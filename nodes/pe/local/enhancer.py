@@ -14,7 +14,6 @@ for fp8 weights and says so, rather than failing a compilation (pytorch/pytorch#
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,13 +22,13 @@ import torch
 
 from ...fp8_linear import holds_fp8
 from ...host.sizes import CacheSized
-from ...model_files import builds_weights, read_json
+from ...model_files import builds_weights
 from ..protocol import Completion, GenerationStopped, PromptSpec, ResultCallback, SamplingParams
 from ..runtime import Runtime
 from .batching import MAX_ROWS, batch_progress, batch_rows, kv_cache_bytes, next_batch, row_bytes
 from .decode import Decoder, DecodeRequest, PlainDecoder, StaticDecoder
 from .fused import fuse_mlp_projections
-from .weights import BAIDU_CHAT_TEMPLATE, PESource, path_source, snapshot_source
+from .weights import PESource, path_source, snapshot_source
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DECODE_MODES = ("auto", "generate", "static", "static-compiled")
@@ -83,13 +82,14 @@ class LocalPromptEnhancer(CacheSized):
 
     @property
     def identity(self) -> str:
-        """Everything that changes the text: the weight and tokenizer files, the chat template, and the dtype, device
-        and decode path as this handle resolves "auto" and "default" (the same before and after loading); fp8
-        weights when asked for (a file stored in fp8 is named by its own identity)."""
+        """Everything that changes the text: the weight and tokenizer files, the chat template rendered, and the
+        dtype, device and decode path as this handle resolves "auto" and "default" (the same before and after
+        loading); fp8 weights when asked for (a file stored in fp8 is named by its own identity)."""
         device = self.runtime.device(self.device_name)
         dtype = str(self._dtype(device)).removeprefix("torch.")
         weights = "|weights=fp8_e4m3fn" if self.fp8 else ""  # absent for default: texts cached before it stay valid
-        return (f"local:{self.source.identity()}|template={_template_digest(self.source)}|dtype={dtype}{weights}"
+        template = hashlib.sha256(self.source.chat_template().encode()).hexdigest()[:16]
+        return (f"local:{self.source.identity()}|template={template}|dtype={dtype}{weights}"
                 f"|device={_device_label(device)}|decode={self._decode_path(device)}")
 
     def _dtype(self, device: torch.device) -> torch.dtype:
@@ -275,22 +275,3 @@ def _device_label(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     return device.type
-
-
-def _template_digest(source: PESource) -> str:
-    """The chat template the tokenizer will render, hashed without loading it: the tokenizer folder's
-    ``chat_template.jinja`` and ``tokenizer_config.json``'s ``chat_template``, or Baidu's where it has neither and
-    for ComfyUI's single file (which carries none)."""
-    texts = []
-    if source.tokenizer is not None:
-        jinja = source.tokenizer / "chat_template.jinja"
-        if jinja.is_file():
-            texts.append(jinja.read_text(encoding="utf-8"))
-        config = source.tokenizer / "tokenizer_config.json"
-        template = read_json(config).get("chat_template") if config.is_file() else None
-        if template:
-            texts.append(json.dumps(template, ensure_ascii=False))
-    if not texts:
-        texts.append(BAIDU_CHAT_TEMPLATE.read_text(encoding="utf-8"))
-    return hashlib.sha256("\0".join(texts).encode()).hexdigest()[:16]
-

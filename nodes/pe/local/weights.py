@@ -5,9 +5,9 @@ Three layouts:
 - a Hugging Face snapshot of ERNIE-Image(-Turbo): ``pe/`` (``Ministral3ForCausalLM``) and ``pe_tokenizer/``;
 - a Hugging Face folder with both (``pe/`` and ``pe_tokenizer/`` copied together, as for ``vllm serve``);
 - ComfyUI's repack ``ernie-image-prompt-enhancer.safetensors`` (read by ``ministral_file``): the LM's keys plus
-  the Mistral tokenizer as a ``tekken_model`` entry. The repack has no chat template, so Baidu's is used:
-  ``chat_template.jinja`` here is ``pe_tokenizer/chat_template.jinja`` of ``baidu/ERNIE-Image-Turbo``
-  (revision bc68c81e, sha256 0c859484…ee974ea), byte for byte.
+  the Mistral tokenizer as a ``tekken_model`` entry.
+
+The chat template rendered is always Baidu's (``template``): a folder's own only when it is that same file.
 
 ``fp8``: the decoder layers' linears held in fp8 (``fp8_linear``, read through ``ministral_file``); the LM head, the
 embeddings and the norms stay in the compute dtype. A file in core's fp8 layouts is fp8 either way.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +27,8 @@ import torch
 from ...ministral_file import load_ministral_folder, read_config, read_ministral_file
 from ...model_files import file_stamps, read_json
 from ..protocol import EnhancerError
+from .template import chat_template, tokenizer_folder
 
-BAIDU_CHAT_TEMPLATE = Path(__file__).with_name("chat_template.jinja")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "tekken.json")
 
 
@@ -53,8 +52,12 @@ class PESource:
         """The model (on the CPU, eval mode; ``fp8``: its decoder linears in fp8) and its tokenizer (with a chat
         template)."""
         if self.weights.is_file():
-            return _load_single_file(self.weights, dtype, fp8)
-        return _load_folder(self.weights, dtype, fp8), _load_tokenizer(self.tokenizer)
+            return _load_single_file(self.weights, dtype, fp8, self.chat_template())
+        return _load_folder(self.weights, dtype, fp8), _load_tokenizer(self.tokenizer, self.chat_template())
+
+    def chat_template(self) -> str:
+        """The chat template the tokenizer renders (``template.chat_template``; its warnings are logged once)."""
+        return chat_template(self.tokenizer)
 
 
 def snapshot_source(snapshot: Path) -> PESource | None:
@@ -99,20 +102,19 @@ def _load_folder(folder: Path, dtype: torch.dtype, fp8: bool):
     return model
 
 
-def _load_tokenizer(folder: Path):
+def _load_tokenizer(folder: Path, template: str):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
-    if not tokenizer.chat_template:
-        logging.warning("ERNIE-Image PE: %s has no chat template; using Baidu's PE template", folder)
-        tokenizer.chat_template = BAIDU_CHAT_TEMPLATE.read_text(encoding="utf-8")
+    with tokenizer_folder(folder) as staged:
+        tokenizer = AutoTokenizer.from_pretrained(staged, trust_remote_code=False)
+    tokenizer.chat_template = template
     return tokenizer
 
 
-def _load_single_file(path: Path, dtype: torch.dtype, fp8: bool):
+def _load_single_file(path: Path, dtype: torch.dtype, fp8: bool, template: str):
     return read_ministral_file(
         path, dtype, what="prompt enhancer", error=EnhancerError,
         instead="use the ERNIE-Image snapshot's pe/ and pe_tokenizer/, or a folder with the weights and the tokenizer",
-        chat_template=BAIDU_CHAT_TEMPLATE.read_text(encoding="utf-8"),  # the repack has none
+        chat_template=template,  # the repack has none: Baidu's
         fp8=fp8,
     )

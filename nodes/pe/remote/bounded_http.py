@@ -28,6 +28,7 @@ import urllib3.exceptions
 from requests.adapters import HTTPAdapter
 
 from ..protocol import GenerationStopped
+from .url import is_link_local, link_local_refusal
 
 MAX_ANSWER_BYTES = 8 * 1024 * 1024  # a prompt enhancer's answer is a few KiB; a model listing rarely 100 KiB
 _PIECE_BYTES = 64 * 1024
@@ -66,7 +67,6 @@ def exchange(
     Raises ``GenerationStopped`` when ``should_stop()`` turns true, ``HttpFailure`` for everything else that keeps a
     whole answer from arriving. Any status is an answer: redirects are returned, not followed. A stop request made
     while the TCP connection is being made is seen when it is made (or fails), within ``connect_s``."""
-    watch, response, phase = _Watchdog(time.monotonic() + timeout_s, should_stop), None, "request"
     session = requests.Session()  # trust_env: proxies, NO_PROXY and the CA bundle come from the environment
     session.auth = lambda request: request  # with auth set, no ~/.netrc: its Basic auth would replace the key
     session.mount("http://", _WatchedAdapter(max_retries=0))
@@ -75,6 +75,7 @@ def exchange(
     headers = {**headers, "Connection": "close", "Accept-Encoding": "identity"}
     settings = session.merge_environment_settings(url, {}, True, None, None)
     proxy = requests.utils.select_proxy(url, settings["proxies"])
+    watch, response, phase = _Watchdog(time.monotonic() + timeout_s, should_stop, proxy is None), None, "request"
     try:
         prepared = session.prepare_request(requests.Request(method, url, headers=headers, data=body))
         with watch:
@@ -101,6 +102,9 @@ def _failure(url: str, phase: str, error: Exception, reason: str | None, timeout
              proxy: str | None) -> HttpFailure:
     """What went wrong, in the user's words, from the phase the request was in and the error it ended with."""
     through = f" through the proxy {_origin(proxy)}" if proxy else ""
+    link_local = _found(error, LinkLocalAddress)
+    if link_local is not None:
+        return HttpFailure(f"{url} was not requested: {link_local}", retryable=False)
     if isinstance(error, requests.ConnectTimeout):
         return HttpFailure(f"no connection to {url}{through} within {connect_s:g} s")
     if reason == "deadline" or isinstance(error, requests.ReadTimeout | urllib3.exceptions.ReadTimeoutError):
@@ -149,12 +153,30 @@ def _found(error: BaseException, kind: type[BaseException]) -> BaseException | N
     return None
 
 
+class LinkLocalAddress(OSError):
+    """The server's name led to a link-local address (a cloud metadata service): the request is not sent."""
+
+
+def _refuse_link_local(name: str, port: int, peer: str | None = None) -> None:
+    """Raise ``LinkLocalAddress`` when ``name`` resolves to a link-local address, or when the socket's ``peer``
+    (the address connected to, after the resolution the connection made itself) is one. A name that does not resolve
+    is left to the connection, which says so."""
+    try:
+        addresses = [peer] if peer else [info[4][0] for info in socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)]
+    except (OSError, UnicodeError):
+        return
+    for address in addresses:
+        if is_link_local(address):
+            raise LinkLocalAddress(link_local_refusal(f"{name[:100]} resolves to", address))
+
+
 class _Watchdog:
     """A thread that shuts the request's sockets down at the deadline or when a stop is requested; ``reason`` says
-    which (None while neither happened)."""
+    which (None while neither happened). ``direct``: the connections go to the server itself, not to a proxy (which
+    resolves the server's name itself), and so they are refused at a link-local address."""
 
-    def __init__(self, deadline: float, should_stop: Callable[[], bool]):
-        self.deadline, self.should_stop = deadline, should_stop
+    def __init__(self, deadline: float, should_stop: Callable[[], bool], direct: bool = True):
+        self.deadline, self.should_stop, self.direct = deadline, should_stop, direct
         self.reason: str | None = None
         self._sockets: list[socket.socket] = []
         self._done = threading.Event()
@@ -199,12 +221,24 @@ class _Watchdog:
 
 
 class _Reports:
-    """A urllib3 connection that, once connected, hands its socket to the watchdog of the request being made."""
+    """A urllib3 connection that, once connected, hands its socket to the watchdog of the request being made; made
+    straight to the server, it is refused at a link-local address, before connecting (the name's addresses) and
+    once connected (the address reached, should the name resolve otherwise the second time), before the request."""
 
     def connect(self) -> None:
+        watch = getattr(_current, "watch", None)
+        direct = watch is not None and watch.direct
+        if direct:
+            _refuse_link_local(self._dns_host, self.port)
         super().connect()
-        if getattr(_current, "watch", None) is not None:
-            _current.watch.guard(self.sock)
+        if watch is not None:
+            watch.guard(self.sock)
+        if direct:
+            try:
+                _refuse_link_local(self._dns_host, self.port, peer=self.sock.getpeername()[0])
+            except LinkLocalAddress:
+                self.close()
+                raise
 
 
 @functools.cache

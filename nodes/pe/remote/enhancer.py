@@ -5,8 +5,9 @@ Connection errors, timeouts, 408, 429 (Retry-After honoured) and 5xx are retried
 jitter; other 4xx fail at once; redirects are not followed. Each request is bounded (``bounded_http``): one deadline
 of ``timeout_s`` for the whole answer, a size cap, Cancel within a fraction of a second. The API key obeys
 ``key_policy`` and is read from the environment at each request, never stored. Error texts quote no answer beyond
-the server's own JSON error message, capped, and only from a server on this machine or the one the key is bound to
-(``key_policy.trusted_server``): of any other host's answers only the status is told. No ComfyUI.
+the server's own JSON error message, capped, and only from a server named in the environment
+(``key_policy.trusted_server``): of any other host's answers, this machine's included, only the status is told. No
+ComfyUI.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ _BACKOFF_BASE_S = 0.5
 _BACKOFF_CAP_S = 30.0
 _RETRY_AFTER_CAP_S = 120.0
 _MESSAGE_CHARS = 200  # the most of a server's own error message an error text quotes
-_UNQUOTED = ("its own words are not shown: only a server on this machine or the one an api_key_env key is bound to "
-             "is quoted")
+_UNQUOTED = ("its answer is not shown: only a server named in the environment, by its address in an "
+             "ERNIE_PE_API_KEY_<NAME>_URL variable, is quoted")
 _NOW_S = 120.0  # a listing's `created` this close to now is the time of the listing (vLLM, SGLang), not a revision
 
 
@@ -58,12 +59,25 @@ def _retry_after(answer: Answer) -> float | None:
     return min(max(seconds, 0.0), _RETRY_AFTER_CAP_S)
 
 
+class NestedTooDeeply(ValueError):
+    """JSON nested deeper than the parser goes: 100,000 nested arrays fit in 200 KB, and the parser ends in a
+    RecursionError."""
+
+
+def parse_json(body: bytes) -> object:
+    """An answer's JSON; ``ValueError`` for anything else (``NestedTooDeeply`` for too deep a nesting)."""
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise NestedTooDeeply("JSON nested too deeply") from None
+
+
 def server_message(body: bytes) -> str | None:
     """The server's own error message from a JSON error answer (OpenAI's ``{"error": {"message"}}``, vLLM's
     ``{"message"}``, FastAPI's ``{"detail"}``), on one line and capped; None for anything else, which is never quoted
     (a ``base_url`` aimed at another service must not read that service's pages back into ComfyUI)."""
     try:
-        data = json.loads(body)
+        data = parse_json(body)
     except ValueError:
         return None
     if not isinstance(data, dict):
@@ -307,7 +321,7 @@ class RemotePromptEnhancer:
     def _trusted(self) -> bool:
         """Whether this server's own words may appear in an error (``key_policy.trusted_server``), asked now: the
         binding is read from the environment at each request."""
-        return trusted_server(self.root, self.api_key_env)
+        return trusted_server(self.root)
 
     def _sleep(self, seconds: float, stop: threading.Event) -> None:
         """Wait between attempts, listening for a stop request."""
@@ -319,11 +333,12 @@ class RemotePromptEnhancer:
 
     def _decode(self, answer: Answer, url: str) -> dict:
         try:
-            data = json.loads(answer.body)
+            data = parse_json(answer.body)
         except ValueError as error:
             kind = (answer.headers.get("Content-Type") or "no content type").split(";")[0].strip()[:60]
             kind = f"{kind}, " if self._trusted() else ""  # the header is the server's words too
-            raise EnhancerError(f"malformed answer from {url}: not JSON ({kind}{len(answer.body)} bytes)") from error
+            what = str(error) if isinstance(error, NestedTooDeeply) else "not JSON"
+            raise EnhancerError(f"malformed answer from {url}: {what} ({kind}{len(answer.body)} bytes)") from error
         if not isinstance(data, dict):
             raise EnhancerError(f"malformed answer from {url}: expected a JSON object, got {type(data).__name__}")
         return data

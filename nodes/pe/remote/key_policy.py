@@ -13,9 +13,10 @@ workflow:
 
 What a refusal says is the same whether the variable is unset, has no ``_URL`` or is bound to another server, and it
 never names the bound server: a stranger's workflow must not learn from an error what the user's environment holds.
-Two more things follow the binding: only a server on this machine or the one the key is bound to may put its own
-words into an error (``trusted_server``), and the key's identity (a short hash, never the key) is part of the result
-cache's key (``credential_id``), so that a workflow without the key cannot read texts a keyed run paid for.
+Two more things follow: only a server named in the environment (an address in an ``ERNIE_PE_API_KEY…_URL``
+variable, with or without its key) may put its own words into an error (``trusted_server``), and the key's identity
+(a short hash, never the key) is part of the result cache's key (``credential_id``), so that a workflow without the
+key cannot read texts a keyed run paid for.
 
 The yardsticks: OpenAI's client takes ``OPENAI_API_KEY`` and ``OPENAI_BASE_URL`` both from the environment; ComfyUI's
 own API nodes send the user's comfy.org key only to ``--comfy-api-base``, a command-line setting. Plain Python.
@@ -28,7 +29,7 @@ import os
 import re
 
 from ..protocol import EnhancerError
-from .url import ApiRoot, is_loopback, parse_api_root
+from .url import ApiRoot, parse_api_root
 
 PREFIX = "ERNIE_PE_API_KEY"
 URL_SUFFIX = "_URL"
@@ -93,14 +94,17 @@ def credential_id(name: str) -> str:
     return hashlib.sha256(f"{name}\0{key}".encode()).hexdigest()[:12] if key else ""
 
 
-def trusted_server(root: ApiRoot, name: str) -> bool:
-    """Whether the server at ``root`` may put its own words (error messages, headers) into an error text: a server on
-    this machine (``url.is_loopback``), or the one the key in ``name`` is bound to (so reached with the key). Any
-    other host is one a workflow chose, maybe a service on the user's network that must not be read back into
-    ComfyUI: of its answers only the status is told."""
-    if is_loopback(root.host):
-        return True
-    try:
-        return bound_key(name, root) is not None
-    except EnhancerError:
-        return False
+def trusted_server(root: ApiRoot) -> bool:
+    """Whether the server at ``root`` may put its own words (error messages, headers) into an error text: one the
+    user named in the environment, by its address in an ``ERNIE_PE_API_KEY…_URL`` variable (with the key beside it,
+    or alone for a server that needs none), read now. Any other host, this machine's included, is one a workflow
+    chose (maybe a service on the user's network or on another port of this machine, whose answers must not be read
+    back into ComfyUI): of its answers only the status is told."""
+    for name, value in os.environ.items():
+        if name.endswith(URL_SUFFIX) and _PERMITTED.fullmatch(name.removesuffix(URL_SUFFIX)):
+            try:
+                if parse_api_root(value, what=name, bare_path="").covers(root):
+                    return True
+            except EnhancerError:
+                continue  # a malformed address names no server (a key bound by it is refused in words)
+    return False

@@ -3,7 +3,8 @@ an optional path prefix (``/v1``, ``/llm/lmapi/v3``), and nothing else.
 
 A shared workflow chooses ``base_url`` and the user's ComfyUI sends to it, so what it may hold is narrow: no query or
 fragment (an API root has none; they would make any URL on the user's network reachable), no ``user:password@`` (a
-credential in a saved workflow). Plain Python, no ComfyUI.
+credential in a saved workflow), no link-local address (a cloud's metadata service; ``bounded_http`` refuses one a
+name resolves to as well). Plain Python, no ComfyUI.
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ def _host_and_port(parts, text: str, what: str) -> tuple[str, int]:
         raise invalid(f"{host!r} is not a host name")
     if port == 0:
         raise invalid("port 0")
+    if is_link_local(host):
+        raise EnhancerError(link_local_refusal(f"{what}'s host is", host))
     return host.lower(), port or _DEFAULT_PORTS[parts.scheme.lower()]
 
 
@@ -115,15 +118,18 @@ def _root_path(path: str, what: str) -> str:
     return root
 
 
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (as in ``ApiRoot.host``) is this machine by its address or name alone: 127.0.0.0/8, ::1
-    (also IPv4-mapped), ``localhost``. No name is resolved: what a name resolves to can change between the check and
-    the request."""
-    if host.rstrip(".") == "localhost":
-        return True
+def is_link_local(address: str) -> bool:
+    """Whether ``address`` (an IP address; a name is not one) is link-local: 169.254.0.0/16 or fe80::/10, also
+    IPv4-mapped. Cloud metadata services answer there (169.254.169.254 hands out the machine's credentials)."""
     try:
-        address = ipaddress.ip_address(host)
+        parsed = ipaddress.ip_address(address)
     except ValueError:
         return False
-    mapped = getattr(address, "ipv4_mapped", None)
-    return (mapped or address).is_loopback
+    mapped = getattr(parsed, "ipv4_mapped", None)
+    return (mapped or parsed).is_link_local
+
+
+def link_local_refusal(lead: str, address: str) -> str:
+    """The words for a link-local address; ``lead`` says how it came ("base_url's host is", "pe.lan resolves to")."""
+    return (f"{lead} the link-local address {address} (169.254.0.0/16, fe80::/10), where cloud metadata services "
+            "answer and never a prompt enhancer: nothing is sent there; give the enhancer server's address")
