@@ -27,7 +27,10 @@ import psutil
 import pytest
 import torch
 
+from comfyui_ernie_image.nodes.accel.cache import CacheRun
+from comfyui_ernie_image.nodes.accel.patching import CACHE_KEY
 from comfyui_ernie_image.nodes.errors import ErnieImageError
+from comfyui_ernie_image.nodes.host.sampling import make_mirrored_run
 from comfyui_ernie_image.nodes.loaders import ErnieImageDiTLoader
 from comfyui_ernie_image.nodes.parallel import patching
 from comfyui_ernie_image.nodes.parallel.messages import encode, forward_job, read_job
@@ -170,6 +173,26 @@ def test_a_forward_job_is_checked_key_by_key_before_anything_is_allocated(change
     with pytest.raises(ErnieImageError, match="not the expected JSON message") as error:
         read_job(_forward(**change))
     assert why in str(error.value)
+
+
+SETTINGS = {"Fn_compute_blocks": 4, "Bn_compute_blocks": 0, "residual_diff_threshold": 0.5, "max_warmup_steps": 2,
+            "max_cached_steps": -1, "max_continuous_cached_steps": -1, "taylorseer_order": 1, "steps_mask": "off",
+            "steps_mask_cache": "dynamic"}
+
+
+@pytest.mark.parametrize("arguments", [
+    {"settings": SETTINGS},  # no step count
+    {"settings": SETTINGS, "steps": 8, "make": "os.system"},
+    {"settings": {**SETTINGS, "Fn_compute_blocks": "4"}, "steps": 8},
+    {"settings": {**SETTINGS, "taylorseer_order": True}, "steps": 8},
+    {"settings": {**SETTINGS, "__class__": "CacheRun"}, "steps": 8},
+    {"settings": SETTINGS, "steps": 0},
+])
+def test_the_cache_run_a_worker_makes_takes_only_cache_settings_by_name_and_type(model, arguments):
+    holder = model.model.diffusion_model
+    assert isinstance(make_mirrored_run(CACHE_KEY, holder, "layers", {"settings": SETTINGS, "steps": 8}), CacheRun)
+    with pytest.raises(ErnieImageError, match="the Cache-DiT settings from rank 0 are not CacheSettings' fields"):
+        make_mirrored_run(CACHE_KEY, holder, "layers", arguments)
 
 
 def _pool_folder(parent: Path, name: str, owner: dict | None = None) -> str:
