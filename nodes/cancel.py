@@ -2,9 +2,9 @@
 
 Engine code imports no ComfyUI, so it cannot ask ComfyUI whether the user pressed Cancel. The host layer installs
 that question here once, when it is first imported (``host/__init__.py``: core's
-``throw_exception_if_processing_interrupted``, which ComfyUI reports as an interrupted prompt); every loop over files,
-tensors or blocks calls ``check_cancel()`` before each item, so at most the item in hand is finished after Cancel.
-Outside ComfyUI (the engine's own tests, the tools in ``scripts/``) nothing is installed and the check returns.
+``throw_exception_if_processing_interrupted`` where a core runs, which ComfyUI reports as an interrupted prompt);
+every loop over files, tensors or blocks calls ``check_cancel()`` before each item, so at most the item in hand is
+finished after Cancel. Outside ComfyUI (the engine's own tests, the tools in ``scripts/``) the check returns.
 """
 
 from __future__ import annotations

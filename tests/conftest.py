@@ -76,6 +76,13 @@ def placed(tiny_models, comfy_paths):
         yield lambda folder, name: stack.enter_context(in_model_folder(tiny_models["models_dir"], folder, name))
 
 
+@pytest.fixture
+def cpu_workers(monkeypatch):
+    """The switch that lets ERNIE-Image Parallel start its workers on the CPU (docs/ARCHITECTURE.md §7), for the
+    parallel tests only."""
+    monkeypatch.setenv("ERNIE_IMAGE_PARALLEL_CPU_WORKERS", "1")
+
+
 @pytest.fixture(scope="session")
 def comfy_server(tiny_models, tmp_path_factory):
     """A real headless ComfyUI (subprocess, CPU) with this pack installed under custom_nodes/."""

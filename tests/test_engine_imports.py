@@ -33,7 +33,7 @@ ENGINE = [
     "quant/saved.py", "quant/torchao_file.py",
     "dit/attention.py", "dit/dit.py", "dit/schedule.py", "dit/weights.py",
     "lora/__init__.py", "lora/keys.py", "lora/files.py",
-    "parallel/__init__.py", "parallel/pool.py", "parallel/split.py",
+    "parallel/__init__.py", "parallel/messages.py", "parallel/pool.py", "parallel/rendezvous.py", "parallel/split.py",
     "pe/__init__.py", "pe/protocol.py", "pe/cache.py", "pe/runtime.py",
     "pe/local/__init__.py", "pe/local/enhancer.py", "pe/local/weights.py", "pe/local/decode.py",
     "pe/local/attention.py", "pe/local/fused.py", "pe/local/batching.py",

@@ -29,10 +29,11 @@ from comfyui_ernie_image.nodes.lora.patching import apply_lora
 from comfyui_ernie_image.nodes.parallel import patching
 from comfyui_ernie_image.nodes.parallel.nodes import ErnieImageParallel
 from comfyui_ernie_image.nodes.parallel.patching import apply_parallel, stop_workers
-from comfyui_ernie_image.nodes.parallel.pool import worker_gpus
+from comfyui_ernie_image.nodes.parallel.pool import CPU_WORKERS, worker_gpus
 from helpers.accel import sample, text, tiny_patcher
 from helpers.lora import LAYERS, deltas, lora_file
 
+pytestmark = pytest.mark.usefixtures("cpu_workers")
 TOLERANCE = 1e-5  # float32 rounding of a forward whose outputs are ~3 in size; measured: up to 1e-6
 ROUGH = CacheSettings(Fn_compute_blocks=4, residual_diff_threshold=0.5, max_warmup_steps=2, taylorseer_order=1)
 
@@ -160,3 +161,15 @@ def test_more_gpus_than_cuda_shows_are_refused_computed_for_one_visible_gpu():
     assert worker_gpus(torch.device("cuda", 1), 3, visible=4) == [0, 2]
     with pytest.raises(ErnieImageError, match="asks for 2 GPUs, and this ComfyUI sees 1"):
         worker_gpus(torch.device("cuda", 0), 2, visible=1)
+
+
+def test_workers_on_the_cpu_are_refused_without_the_switch_and_beyond_two_with_it(base, monkeypatch):
+    """Each worker holds a whole DiT in this machine's memory (an 8B DiT in fp32: 32 GB): a ComfyUI without the GPUs
+    gets words, not up to 7 copies of the DiT."""
+    monkeypatch.delenv(CPU_WORKERS)
+    with pytest.raises(ErnieImageError, match=r"runs a worker on each extra CUDA GPU.* this ComfyUI runs the DiT on "
+                                              rf"CPU .*{CPU_WORKERS}=1 allows up to 2"):
+        ErnieImageParallel.execute(base, "cfg", 2)
+    monkeypatch.setenv(CPU_WORKERS, "1")
+    with pytest.raises(ErnieImageError, match="at most 2 workers on the CPU.* use gpus 3 or fewer"):
+        ErnieImageParallel.execute(base, "sequence", 4)  # 4 divides the tiny DiT's 4 heads: only the cap refuses

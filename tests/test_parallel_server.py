@@ -1,6 +1,7 @@
 """ERNIE-Image Parallel in a real headless ComfyUI (CPU, gloo): the worker starts from the pack as ComfyUI imported it
-(under the path-like module name ComfyUI gives custom nodes), the image is the one without the node, and the worker
-stops when the next prompt no longer has the node and on ``POST /free``."""
+(under the path-like module name ComfyUI gives custom nodes), the image is the one without the node, no socket of
+ComfyUI's process or its worker listens beyond the loopback, and the worker stops when the next prompt no longer has
+the node and on ``POST /free``."""
 
 from __future__ import annotations
 
@@ -8,11 +9,25 @@ import time
 
 import numpy as np
 import psutil
+import pytest
 
+from conftest import COMFY_DIR, REPO
+from helpers.parallel import beyond_loopback, listening
 from helpers.reference import saved_image
 from helpers.workflows import text_to_image
+from scripts.comfy_headless import ComfyServer
 
 SNAPSHOT = "ERNIE-Image-Turbo-tiny"
+
+
+@pytest.fixture(scope="module")
+def comfy_server(tiny_models, tmp_path_factory):
+    """A headless ComfyUI of this file's own, started with the switch that lets the node run workers on the CPU."""
+    server = ComfyServer(COMFY_DIR, tmp_path_factory.mktemp("comfy_base"), REPO, tiny_models["models_dir"],
+                         env={"ERNIE_IMAGE_PARALLEL_CPU_WORKERS": "1"})
+    server.start()
+    yield server
+    server.stop()
 
 
 def _workers(server) -> list[psutil.Process]:
@@ -38,6 +53,8 @@ def test_the_node_samples_the_image_of_one_process_and_its_workers_stop_with_the
     assert result.status == "success", result.messages
     workers = _workers(comfy_server)
     assert len(workers) == 1
+    sockets = listening([comfy_server.process.pid, workers[0].pid])  # the pool idle between prompts
+    assert sockets and beyond_loopback(sockets) == []
 
     plain = comfy_server.run(text_to_image(**graph, prefix="plain"))
     assert plain.status == "success", plain.messages

@@ -18,6 +18,7 @@ lives outside the clone's options and the run's own objects.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -42,6 +43,7 @@ from ..host.sampling import (
     mirror_run,
     mirrored,
     note_run_memory,
+    register_mirrored_run,
     set_wrapper,
     show_on_node,
     wrapper_arguments,
@@ -82,7 +84,8 @@ def _cache_sampler_sample(executor, *args, **kwargs):
     holder, blocks_name = dit_blocks(guider.model_patcher)
     run = CacheRun(holder, blocks_name, job.settings, steps=len(sigmas) - 1)
     transformer_options[RUN_KEY] = run  # reached by _cache_apply_model at each model call
-    mirror_run(transformer_options, CACHE_KEY, CacheRun, job.settings, len(sigmas) - 1)  # for a parallel MODEL
+    mirror_run(transformer_options, CACHE_KEY, {"settings": dataclasses.asdict(job.settings),  # for a parallel MODEL
+                                                 "steps": len(sigmas) - 1})
     # What a step that runs out of memory counts as freed by bypassing the node (host/oom.py).
     note_run_memory(transformer_options, "ERNIE-Image Cache-DiT",
                     functools.partial(cache_store_bytes, holder, guider.model_patcher.model, job.settings))
@@ -94,6 +97,23 @@ def _cache_sampler_sample(executor, *args, **kwargs):
         summary = f"Cache-DiT [{job.label}] {run.summary()}"
         log.info("ERNIE-Image %s", summary)
         show_on_node(job.node_id, summary)
+
+
+def _mirrored_cache_run(holder: torch.nn.Module, blocks_name: str, arguments: dict) -> CacheRun:
+    """On a parallel worker: the CacheRun that rank 0's run made, from the JSON arguments ``mirror_run`` sent. Every
+    field of CacheSettings is given with its own type (a float field may arrive as a whole number)."""
+    fields = {field.name: field.type for field in dataclasses.fields(CacheSettings)}
+    given, steps = arguments.get("settings"), arguments.get("steps")
+    kinds = {"int": (int,), "float": (int, float), "str": (str,)}
+    if (set(arguments) != {"settings", "steps"} or not isinstance(given, dict) or set(given) != set(fields)
+            or any(isinstance(v, bool) or not isinstance(v, kinds.get(fields[k], ())) for k, v in given.items())
+            or isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ErnieImageError(f"ERNIE-Image Parallel: the Cache-DiT settings from rank 0 are not CacheSettings' "
+                              f"fields {sorted(fields)} and a step count: {str(arguments)[:200]}")
+    return CacheRun(holder, blocks_name, CacheSettings(**given), steps=steps)
+
+
+register_mirrored_run(CACHE_KEY, _mirrored_cache_run)  # what a parallel worker makes for a Cache-DiT run
 
 
 def _cache_apply_model(executor, *args, **kwargs):

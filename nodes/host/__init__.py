@@ -17,8 +17,18 @@ versions are never parsed, only features looked up (``hasattr``, signatures).
 - ``vae``, ``lora``: core's VAE and LoRA machinery.
 """
 
-import comfy.model_management
+import sys
 
 from .. import cancel
 
-cancel.install(comfy.model_management.throw_exception_if_processing_interrupted)  # the engine's loops stop on Cancel
+
+def _interrupt_if_asked() -> None:
+    # Core's model management, where this process has imported it (a ComfyUI), raises its interrupt when the user
+    # pressed Cancel. It is looked up, not imported: engines import this package (``sizes``) without a core, and a
+    # parallel worker must set core's arguments before core's modules are first imported (``worker_core``).
+    model_management = sys.modules.get("comfy.model_management")
+    if model_management is not None:
+        model_management.throw_exception_if_processing_interrupted()
+
+
+cancel.install(_interrupt_if_asked)  # the engine's loops stop on Cancel

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import sys
 from collections.abc import Callable, Iterator
 
@@ -18,6 +19,8 @@ import comfy.model_management as mm
 import comfy.patcher_extension
 import comfy.utils
 import torch
+
+from ..errors import ErnieImageError
 
 WrappersMP = comfy.patcher_extension.WrappersMP
 SAMPLER_SAMPLE = WrappersMP.SAMPLER_SAMPLE
@@ -86,11 +89,30 @@ def run_memory(transformer_options: dict) -> dict[str, Callable[[list[int], int]
 
 # Per-run changes of the DiT's blocks that the other ranks of a parallel MODEL (``parallel/``) make too, in step
 # with this process: cache-dit's cache decision is an all-reduce over the process group, which every rank must
-# join. In a run's transformer_options, ``{name: (make, args)}``: ``make(holder, blocks_name, *args)`` gives an
-# object with ``install()``, ``activate(call, step)`` and ``remove()`` (``accel.cache.CacheRun``); and the
+# join. The other ranks are other processes, and only a name and JSON arguments reach them (nothing is unpickled
+# there): the feature that owns a change registers its maker under a name when it is imported
+# (``register_mirrored_run``; a worker imports the pack's nodes as ComfyUI does, so it has the same makers), and
+# ``make(holder, blocks_name, arguments)`` gives an object with ``install()``, ``activate(call, step)`` and
+# ``remove()`` (``accel.cache.CacheRun``). In a run's transformer_options, ``{name: arguments}``; and the
 # ``(call, step)`` that each model call activated. The key is there from the parallel node on: a run without it
 # has no other ranks.
 MIRRORED_RUNS, MIRRORED_CALL = "ernie_image_mirrored_runs", "ernie_image_mirrored_call"
+_MIRRORED_MAKERS: dict[str, Callable[[torch.nn.Module, str, dict], object]] = {}
+
+
+def register_mirrored_run(name: str, make: Callable[[torch.nn.Module, str, dict], object]) -> None:
+    """Let the other ranks make the per-run change ``name`` as ``make(holder, blocks_name, arguments)``."""
+    _MIRRORED_MAKERS[name] = make
+
+
+def make_mirrored_run(name: str, holder: torch.nn.Module, blocks_name: str, arguments: dict) -> object:
+    """On another rank: the per-run change ``name`` that rank 0 noted (``mirror_run``), made by its registered
+    maker; an error in words for a name no feature registered here."""
+    make = _MIRRORED_MAKERS.get(name)
+    if make is None:
+        raise ErnieImageError(f"ERNIE-Image Parallel: rank 0 asked for the per-run change {name[:200]!r}, which no "
+                              f"feature registered in this worker (known: {sorted(_MIRRORED_MAKERS)}).")
+    return make(holder, blocks_name, arguments)
 
 
 def mirror_runs(transformer_options: dict) -> None:
@@ -103,11 +125,15 @@ def mirrored(transformer_options: dict) -> bool:
     return MIRRORED_RUNS in transformer_options
 
 
-def mirror_run(transformer_options: dict, name: str, make: Callable, *args) -> None:
-    """Note for the other ranks, if there are any, that this run makes ``make(holder, blocks_name, *args)``. A new
-    dict, never the one a copy of the options may share."""
+def mirror_run(transformer_options: dict, name: str, arguments: dict) -> None:
+    """Note for the other ranks, if there are any, that this run makes the registered change ``name`` with
+    ``arguments`` (JSON: a copy is kept, and what JSON cannot hold fails here). A new dict, never the one a copy
+    of the options may share."""
     if mirrored(transformer_options):
-        transformer_options[MIRRORED_RUNS] = {**transformer_options[MIRRORED_RUNS], name: (make, args)}
+        if name not in _MIRRORED_MAKERS:
+            raise KeyError(f"no per-run change {name!r} is registered (register_mirrored_run)")
+        arguments = json.loads(json.dumps(arguments, allow_nan=False))
+        transformer_options[MIRRORED_RUNS] = {**transformer_options[MIRRORED_RUNS], name: arguments}
 
 
 def mirror_call(transformer_options: dict, call: tuple[int, ...], step: int) -> None:

@@ -15,10 +15,10 @@ class ErnieImageParallel(io.ComfyNode):
             node_id="ErnieImageParallel",
             display_name="ERNIE-Image Parallel",
             category="ERNIE-Image/acceleration",
-            description="Runs each DiT forward on several GPUs, the image equal to one GPU's: a worker process per "
-            "extra GPU holds its own copy of the DiT (loaded on the first run, stopped by /free or when no workflow "
-            "uses it). Works with LoRAs and the Cache-DiT node. Put the text encoder and the PE on another GPU "
-            "with their loaders' device input.",
+            description="Runs each DiT forward on several CUDA GPUs, the image equal to one GPU's: a worker process "
+            "per extra GPU holds its own copy of the DiT (loaded on the first run, stopped by /free or when no "
+            "workflow uses it). Works with LoRAs and the Cache-DiT node. Put the text encoder and the PE on another "
+            "GPU with their loaders' device input.",
             inputs=[
                 io.Model.Input("model"),
                 io.Combo.Input("mode", options=list(MODES), default=CFG,

@@ -40,6 +40,7 @@ from ..host.sampling import (
 )
 from ..host.sizes import module_bytes
 from ..host.worker_core import core_setup
+from .messages import END_RUN, encode, forward_job
 from .pool import WorkerPool, worker_gpus
 from .split import Split, split_forward
 
@@ -85,11 +86,10 @@ def _parallel_diffusion_model(executor, x, timestep, context, text_lens, transfo
     job: ParallelJob = transformer_options[KEY]
     runs, call = mirrored_runs(transformer_options)
     tensors = [x, timestep, context]
-    header = {"kind": "forward", "mode": job.mode, "tensors": [(t.shape, t.dtype) for t in tensors],
-              "text_lens": list(text_lens), "run": transformer_options[RUN_KEY], "runs": runs, "call": call}
+    message = forward_job(job.mode, tensors, text_lens, transformer_options[RUN_KEY], runs, call)
     pool = _current.pool
     try:
-        pool.share(header, tensors)
+        pool.share(message, tensors)
         return split_call(Split(job.mode, 0, job.gpus), executor, x, timestep, context, text_lens,
                           transformer_options, **kwargs)
     except BaseException as error:
@@ -108,7 +108,7 @@ def _parallel_sampler_sample(executor, *args, **kwargs):
         return executor(*args, **kwargs)
     finally:
         if pool.alive:
-            pool.share({"kind": "end_run"}, [])
+            pool.share(encode({"kind": END_RUN}), [])
 
 
 def _workers(patcher, job: ParallelJob) -> WorkerPool:

@@ -1,14 +1,16 @@
 """The worker processes of a parallel DiT and their process group (engine: torch.distributed, no ComfyUI).
 
-Rank 0 is ComfyUI's own process; each other rank is a worker process started here, one per extra GPU (where
-ComfyUI runs on the CPU, CPU processes on gloo: the tests). A worker is a fresh Python that imports the pack as
+Rank 0 is ComfyUI's own process; each other rank is a worker process started here, one per extra CUDA GPU (CPU
+workers only where ``CPU_WORKERS`` allows them: the tests). A worker is a fresh Python that imports the pack as
 ComfyUI did (``BOOTSTRAP``), then runs ``worker.serve``: not multiprocessing's spawn, which would run ComfyUI's
 ``main.py`` again in each worker.
 
-The ranks meet in a TCPStore that rank 0 serves on the loopback. It also carries each job's header (what to run,
-the input shapes: a worker waits there between jobs, where a collective would time out); the tensors go through
-the process group (gloo on the CPU, NCCL on CUDA GPUs). A job is the same on every rank: rank 0 broadcasts the
-inputs and each rank runs its share of the forward (``split.py``).
+The ranks meet in a FileStore in the pool's private folder (``rendezvous.py``), where each worker also says that it
+is ready, or leaves its last error. Each job reaches a worker as a line of JSON on its standard input, a pipe only
+rank 0 holds (``messages.py``): a worker waits there between jobs, where a collective would time out, and leaves
+when the pipe closes (rank 0's process ended). The tensors go through the process group (gloo on the CPU, NCCL on
+CUDA GPUs), on the loopback. A job is the same on every rank: rank 0 broadcasts the inputs and each rank runs its
+share of the forward (``split.py``).
 
 A worker that exits is noticed before each job and, on gloo, by the collective it leaves (its connection closes):
 the pool stops, and the error names the rank, its device and how it exited, with the worker's own error where it
@@ -18,13 +20,12 @@ had one. The next run starts a new pool.
 from __future__ import annotations
 
 import datetime
+import json
 import os
-import pickle
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -34,39 +35,58 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ErnieImageError
+from .messages import FORWARD, MAX_JOB_BYTES, STOP, encode, read_job
+from .rendezvous import check_private, loopback_environment, loopback_sockets, make_folder, open_store
 
-LOOPBACK = "127.0.0.1"
 POLL_S = 0.05
 STOP_WAIT_S = 30.0  # a worker told to stop leaves at once; one that does not in this time is killed
 EXIT_WAIT_S = 2.0  # a closed connection can come before the exit status of the worker that closed it
 # A collective that waits this long has lost a rank (the inputs of a step are sent just before its collectives).
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
-# How long an idle worker waits in the store at a time; it leaves as soon as rank 0's process does (the store's
-# connection closes), and torch logs a line at each timeout.
-IDLE_WAIT = datetime.timedelta(hours=24)
 PACK_DIR = Path(__file__).resolve().parents[2]
 PACK_NAME = __name__.rsplit(".nodes.", 1)[0]  # the name ComfyUI imported the pack under
+# Each CPU worker holds a whole DiT in the machine's memory (an 8B DiT in fp32: 32 GB): only where this is "1", and
+# at most MAX_CPU_WORKERS of them (the tests run the same code as GPUs on gloo).
+CPU_WORKERS, MAX_CPU_WORKERS = "ERNIE_IMAGE_PARALLEL_CPU_WORKERS", 2
 
-# argv: the core's folder, the pack's folder and name, the spec file. The core's arguments go in first
-# (``host.worker_core``): core reads them when its modules are first imported.
+# argv: the core's folder, the pack's folder and name, the spec file (JSON). The core's arguments go in first
+# (``host/worker_core.py``, loaded by its file: the host package imports model management, which reads them); then
+# the pack's nodes as ComfyUI imports them (each feature registers the per-run changes the workers may make).
 BOOTSTRAP = """
-import importlib, importlib.util, pickle, sys
+import asyncio, importlib, importlib.util, json, sys
 core, pack_dir, pack, spec_path = sys.argv[1:5]
 sys.path.insert(0, core)
-spec = importlib.util.spec_from_file_location(pack, pack_dir + "/__init__.py", submodule_search_locations=[pack_dir])
-sys.modules[pack] = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(sys.modules[pack])
-with open(spec_path, "rb") as file:
-    worker_spec = pickle.load(file)
-importlib.import_module(pack + ".nodes.host.worker_core").configure_core(worker_spec["core"])
+def load(name, path, **options):
+    spec = importlib.util.spec_from_file_location(name, path, **options)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+with open(spec_path) as file:
+    worker_spec = json.load(file)
+load("ernie_image_worker_core", pack_dir + "/nodes/host/worker_core.py").configure_core(worker_spec["core"])
+load(pack, pack_dir + "/__init__.py", submodule_search_locations=[pack_dir])
+async def node_list():
+    return await (await sys.modules[pack].comfy_entrypoint()).get_node_list()
+asyncio.run(node_list())
 importlib.import_module(pack + ".nodes.parallel.worker").serve(worker_spec)
 """
 
 
 def worker_gpus(device: torch.device, world: int, visible: int) -> list[int | None]:
     """The GPU of each worker rank (1 … world - 1): the ``visible`` CUDA GPUs other than rank 0's ``device``, in
-    order; None for CPU processes, where ComfyUI runs on the CPU."""
+    order; None for CPU processes, where ComfyUI runs on the CPU and ``CPU_WORKERS`` allows them."""
     if device.type != "cuda":
+        if os.environ.get(CPU_WORKERS) != "1":
+            raise ErnieImageError(
+                f"ERNIE-Image Parallel runs a worker on each extra CUDA GPU, each with its own copy of the DiT, and "
+                f"this ComfyUI runs the DiT on {device.type.upper()} ({visible} CUDA GPUs visible to it). Remove the "
+                f"node, or run ComfyUI on a CUDA GPU with {world - 1} more. (Workers on the CPU, each holding a "
+                f"whole DiT in this machine's memory, are for tests: {CPU_WORKERS}=1 allows up to "
+                f"{MAX_CPU_WORKERS}.)")
+        if world - 1 > MAX_CPU_WORKERS:
+            raise ErnieImageError(
+                f"ERNIE-Image Parallel with {CPU_WORKERS}=1 runs at most {MAX_CPU_WORKERS} workers on the CPU, each "
+                f"holding a whole DiT in this machine's memory: use gpus {MAX_CPU_WORKERS + 1} or fewer.")
         return [None] * (world - 1)
     others = [i for i in range(visible) if i != (device.index or 0)]
     if len(others) < world - 1:
@@ -96,16 +116,16 @@ def _how_it_ended(code: int) -> str:
 
 class WorkerPool:
     """Ranks 1 … ``world`` - 1 as worker processes, rank 0 this process on ``device``; ``gpus``: each worker's GPU
-    (``worker_gpus``). ``core``: what a worker needs to start this process's ComfyUI core; ``payload``: what it
-    builds its DiT from (pickled, functions by reference: the worker imports the pack under the same name)."""
+    (``worker_gpus``). ``core``: what a worker needs to start this process's ComfyUI core (JSON); ``payload``: what
+    it builds its DiT from (pickled, functions by reference: the worker imports the pack under the same name, and
+    reads the file only from the pool's private folder)."""
 
     def __init__(self, world: int, device: torch.device, gpus: list[int | None], core: dict, payload: dict):
         self.world, self.device, self.gpus = world, device, gpus
         self._core, self._payload = core, payload
-        self._folder = Path(tempfile.mkdtemp(prefix="ernie-image-parallel-"))
+        self.folder = make_folder()
         self.processes: dict[int, subprocess.Popen] = {}  # by rank
-        self._store: dist.TCPStore | None = None
-        self._jobs = 0
+        self._store: dist.FileStore | None = None
         self._threads = torch.get_num_threads()
         self.stopped = False
 
@@ -121,27 +141,28 @@ class WorkerPool:
     def _start(self, should_stop: Callable[[], bool]) -> bool:
         if self.device.type == "cpu":  # the ranks share the cores: threads of one that spin while it waits in a
             torch.set_num_threads(_cpu_share(self.world))  # collective would starve the others (8x slower steps)
-        self._store = dist.TCPStore(LOOPBACK, 0, is_master=True, wait_for_workers=False)
-        payload = self._folder / "payload.pt"
+        self._store = open_store(self.folder)
+        payload = self.folder / "payload.pt"
         torch.save(self._payload, payload)
         for rank, gpu in enumerate(self.gpus, start=1):
-            spec = {"rank": rank, "world": self.world, "port": self._store.port, "backend": _backend(self.device),
-                    "payload": str(payload), "core": self._core}
-            spec_path = self._folder / f"rank{rank}.pkl"
-            spec_path.write_bytes(pickle.dumps(spec))
+            spec = {"rank": rank, "world": self.world, "backend": _backend(self.device), "folder": str(self.folder),
+                    "core": self._core}
+            spec_path = self.folder / f"rank{rank}.json"
+            spec_path.write_text(json.dumps(spec))
             argv = [sys.executable, "-c", BOOTSTRAP, self._core["folder"], str(PACK_DIR), PACK_NAME, str(spec_path)]
-            self.processes[rank] = subprocess.Popen(argv, env=self._environment(gpu))
+            self.processes[rank] = subprocess.Popen(argv, env=self._environment(gpu), stdin=subprocess.PIPE)
         while not all(self._store.check([f"ready/{rank}"]) for rank in self.processes):
             self._raise_if_exited("while it loaded the DiT")
             if should_stop():
                 self.stop()
                 return False
             time.sleep(POLL_S)
-        _join(self._store, _backend(self.device), 0, self.world, self.device)
+        with loopback_sockets():
+            _join(self._store, _backend(self.device), 0, self.world, self.device)
         return True
 
     def _environment(self, gpu: int | None) -> dict[str, str]:
-        env = dict(os.environ)
+        env = {**os.environ, **loopback_environment()}
         if gpu is None:
             env["OMP_NUM_THREADS"] = str(_cpu_share(self.world))
         else:  # the worker sees its own GPU alone, as its cuda:0
@@ -153,14 +174,17 @@ class WorkerPool:
     def alive(self) -> bool:
         return not self.stopped and all(p.poll() is None for p in self.processes.values())
 
-    def share(self, header: dict, tensors: list[torch.Tensor]) -> None:
-        """Send every worker the job ``header`` (pickled), then broadcast ``tensors`` (which the header must
-        describe, so that the workers can receive them)."""
+    def share(self, job: bytes, tensors: list[torch.Tensor]) -> None:
+        """Send every worker ``job`` (``messages.encode``), then broadcast ``tensors`` (which the job must describe,
+        so that the workers can receive them)."""
         self._raise_if_exited("before this step")
-        self._jobs += 1
-        blob = pickle.dumps(header)
-        for rank in self.processes:
-            self._store.set(f"job/{rank}/{self._jobs}", blob)
+        for process in self.processes.values():
+            try:
+                process.stdin.write(job)
+                process.stdin.flush()
+            except OSError:  # the worker exited since the check above
+                self._raise_if_exited("before this step")
+                raise
         for tensor in tensors:
             dist.broadcast(tensor.contiguous(), src=0)
 
@@ -200,11 +224,18 @@ class WorkerPool:
         if self.stopped:
             return
         self.stopped = True
-        for rank, process in self.processes.items():
+        for process in self.processes.values():
             if kill:
                 process.kill()
             elif process.poll() is None:
-                self._store.set(f"job/{rank}/{self._jobs + 1}", pickle.dumps({"kind": "stop"}))
+                try:
+                    process.stdin.write(encode({"kind": STOP}))
+                except OSError:
+                    pass  # it exited meanwhile
+            try:
+                process.stdin.close()  # a worker also leaves when its pipe closes
+            except OSError:
+                pass
         deadline = time.monotonic() + STOP_WAIT_S
         for process in self.processes.values():
             try:
@@ -215,15 +246,25 @@ class WorkerPool:
         if dist.is_initialized():
             dist.destroy_process_group()
         torch.set_num_threads(self._threads)
-        shutil.rmtree(self._folder, ignore_errors=True)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class WorkerChannel:
-    """A worker's side of the pool: the store it met rank 0 in, the group, and the jobs rank 0 sends."""
+    """A worker's side of the pool: the store it met rank 0 in, the group, and the jobs rank 0 sends on its
+    standard input."""
 
     def __init__(self, spec: dict):
         self.rank, self.world, self.backend = spec["rank"], spec["world"], spec["backend"]
-        self._store = dist.TCPStore(LOOPBACK, spec["port"], is_master=False)
+        self.folder = Path(spec["folder"])
+        self._store = open_store(self.folder)
+        self._jobs = sys.stdin.buffer
+
+    def payload(self) -> dict:
+        """What rank 0 saved to build the DiT from: read only from the pool's private folder, which no other user
+        can write (``rendezvous.check_private``)."""
+        path = self.folder / "payload.pt"
+        check_private(self.folder, path)
+        return torch.load(path, weights_only=False)
 
     def join(self, device: torch.device) -> None:
         """Say that this worker is ready, and join the group (rank 0 joins once every worker is ready)."""
@@ -231,27 +272,21 @@ class WorkerChannel:
         _join(self._store, self.backend, self.rank, self.world, device)
 
     def jobs(self, device: torch.device) -> Iterator[tuple[dict, list[torch.Tensor]]]:
-        """Each job's header and its tensors (received on ``device``), until rank 0 says stop. Between jobs the
-        worker waits in the store, which ends when rank 0's process does."""
-        number = 0
+        """Each job (``messages.read_job``) and its tensors (received on ``device``), until rank 0 says stop or its
+        process ends (the pipe closes)."""
         while True:
-            number += 1
-            key = f"job/{self.rank}/{number}"
-            while True:
-                try:
-                    self._store.wait([key], IDLE_WAIT)
-                    break
-                except dist.DistStoreError as error:
-                    if "timeout" not in str(error).lower():
-                        raise
-            header = pickle.loads(self._store.get(key))
-            self._store.delete_key(key)
-            if header["kind"] == "stop":
+            line = self._jobs.readline(MAX_JOB_BYTES + 1)
+            if not line:
                 return
-            tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in header.get("tensors", [])]
+            job = read_job(line)
+            if job["kind"] == STOP:
+                return
+            tensors = []
+            if job["kind"] == FORWARD:
+                tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in job["tensors"]]
             for tensor in tensors:
                 dist.broadcast(tensor, src=0)
-            yield header, tensors
+            yield job, tensors
 
     def fail(self, error: BaseException) -> None:
         """Leave ``error``'s last words where rank 0 reads them when this process has exited."""
@@ -260,3 +295,4 @@ class WorkerChannel:
     def leave(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+

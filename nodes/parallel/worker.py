@@ -3,7 +3,8 @@
 It builds the DiT as the loader did in ComfyUI's process (the MODEL's recipe), adds the same LoRA patches, loads it
 through its own ComfyUI model management, then follows rank 0's jobs: for each forward the same wrapper function
 as rank 0 around its DiT (``patching.split_call``), with the same per-run changes of the blocks installed (a
-Cache-DiT run: ``host.sampling.mirror_run``). Its log lines go to the terminal ComfyUI was started from.
+Cache-DiT run: ``host.sampling.mirror_run``, made here by the name its feature registered). Its log lines go to the
+terminal ComfyUI was started from.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 
 from ..host.model import dit_blocks
 from ..host.parallel import load_for_run, replay_patches
-from ..host.sampling import DIFFUSION_MODEL, wrapped_options
+from ..host.sampling import DIFFUSION_MODEL, make_mirrored_run, wrapped_options
+from .messages import END_RUN
 from .patching import KEY, split_call
 from .pool import WorkerChannel
 from .split import Split
@@ -29,12 +31,12 @@ class _MirroredRuns:
         self.run: int | None = None
         self.active: list = []
 
-    def follow(self, run: int, runs: dict, call: tuple | None) -> None:
+    def follow(self, run: int, runs: dict[str, dict], call: tuple | None) -> None:
         if run != self.run:
             self.end()
             self.run = run
-            for make, args in runs.values():
-                self.active.append(make(self.holder, self.blocks_name, *args))
+            for name, arguments in runs.items():
+                self.active.append(make_mirrored_run(name, self.holder, self.blocks_name, arguments))
                 self.active[-1].install()
         for change in self.active:
             change.activate(*call)  # every run that mirrors a change notes each call's (call, step)
@@ -45,8 +47,8 @@ class _MirroredRuns:
         self.active, self.run = [], None
 
 
-def _build(payload_path: str):
-    payload = torch.load(payload_path, weights_only=False)
+def _build(channel: WorkerChannel):
+    payload = channel.payload()
     make, args = payload["recipe"]
     patcher = make(*args)
     replay_patches(patcher, payload["patches"])
@@ -60,19 +62,19 @@ def serve(spec: dict) -> None:
     logging.basicConfig(level=logging.INFO, format=f"ERNIE-Image worker {spec['rank']}: %(message)s")
     channel = WorkerChannel(spec)
     try:
-        patcher = _build(spec["payload"])
+        patcher = _build(channel)
         device = torch.device(patcher.load_device)
         channel.join(device)
         runs = _MirroredRuns(*dit_blocks(patcher))
         dit = patcher.model.diffusion_model
         with torch.inference_mode():
-            for header, tensors in channel.jobs(device):
-                if header["kind"] == "end_run":
+            for job, tensors in channel.jobs(device):
+                if job["kind"] == END_RUN:
                     runs.end()
                     continue
-                runs.follow(header["run"], header["runs"], header["call"])
-                wrapper = functools.partial(split_call, Split(header["mode"], channel.rank, channel.world))
-                dit(*tensors, header["text_lens"], transformer_options=wrapped_options(DIFFUSION_MODEL, KEY, wrapper))
+                runs.follow(job["run"], job["runs"], job["call"])
+                wrapper = functools.partial(split_call, Split(job["mode"], channel.rank, channel.world))
+                dit(*tensors, job["text_lens"], transformer_options=wrapped_options(DIFFUSION_MODEL, KEY, wrapper))
         runs.end()
         channel.leave()
     except BaseException as error:
