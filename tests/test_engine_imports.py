@@ -36,7 +36,7 @@ ENGINE = [
     "parallel/__init__.py", "parallel/messages.py", "parallel/pool.py", "parallel/rendezvous.py", "parallel/split.py",
     "pe/__init__.py", "pe/protocol.py", "pe/cache.py", "pe/runtime.py",
     "pe/local/__init__.py", "pe/local/enhancer.py", "pe/local/weights.py", "pe/local/decode.py",
-    "pe/local/attention.py", "pe/local/fused.py", "pe/local/batching.py",
+    "pe/local/attention.py", "pe/local/fused.py", "pe/local/batching.py", "pe/local/template.py",
     "pe/remote/__init__.py", "pe/remote/enhancer.py", "pe/remote/bounded_http.py", "pe/remote/key_policy.py",
     "pe/remote/url.py",
     "text/encoder.py",
