@@ -66,6 +66,7 @@ def make_tokenizer(chat_template: str | None = None):
     fast.model_max_length = 256
     if chat_template is not None:
         fast.chat_template = chat_template
+        fast.model_max_length = 4096  # Baidu's PE system prompt alone is 382 tokens of this byte-level vocabulary
     return fast
 
 
@@ -214,7 +215,6 @@ def make_pipeline(seed: int = 0, with_pe: bool = True):
     pe = pe_tokenizer = None
     if with_pe:
         pe_tokenizer = make_tokenizer(PE_CHAT_TEMPLATE)
-        pe_tokenizer.model_max_length = 4096  # Baidu's system prompt alone is 382 tokens of this byte-level vocabulary
         pe = make_pe(pe_tokenizer, generator)
 
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=4.0)
