@@ -13,6 +13,8 @@ what the forward needs (masked padding, image RoPE positions start after the tru
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..errors import ErnieImageError
@@ -29,6 +31,9 @@ from .dit import ErnieImageDiT
 from .precision import Precision
 from .schedule import DEFAULT_SHIFT
 
+# The sampling runs whose first step was checked, by core's ``sample_sigmas`` (a new tensor per run): held weakly and
+# outside the module, which a run must leave as it found it. Keyed by id: a tensor compares by its values.
+_CHECKED_RUNS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 PIXELS_PER_LATENT = 16  # Flux.2 latents: one latent pixel per 16 x 16 image pixels (EmptyFlux2LatentImage's step)
 
 
@@ -92,7 +97,6 @@ class ErnieImageDiffusionModel(ErnieImageDiT):
     quantization: str = "none"
     quantize_to: str | None = None
     source: str = "the DiT file"  # the file or folder its weights came from (the loaders set it), named in errors
-    _checked_run: object = None  # the sampling run whose first step was checked (core's ``sample_sigmas``)
 
     def forward(self, x, timestep, context, text_lens, transformer_options={}, **kwargs):
         started = allocated_memory(x.device)  # what was held before this step: the advice counts the step's own
@@ -111,9 +115,9 @@ class ErnieImageDiffusionModel(ErnieImageDiT):
         new tensor per run): weights that are each within bounds can still overflow together, and a NaN there made a
         black image with no message."""
         run = transformer_options.get("sample_sigmas")
-        if run is None or run is self._checked_run:
+        if run is None or _CHECKED_RUNS.get(id(run)) is run:
             return
-        self._checked_run = run
+        _CHECKED_RUNS[id(run)] = run
         if not bool(torch.isfinite(out).all()):
             raise ErnieImageError(
                 f"The DiT's first sampled step gave values that are not finite (NaN or infinity): the weights of "
