@@ -74,11 +74,14 @@ def _true_size(cls, config, device: str = "cuda") -> torch.nn.Module:
 @torch.no_grad()
 def _writes_words(pe: torch.nn.Module, tokenizer) -> torch.nn.Module:
     """Random weights pick from 131072 ids, which the small test tokenizer cannot decode: an empty text. The (tied)
-    embedding rows of the tokenizer's word pieces get a large scale and every other row (special tokens included)
-    zeros, so sampling picks words and runs to ``max_new_tokens``, as a long real answer does."""
+    embedding rows of the tokenizer's word pieces get a large scale and every other row (special tokens and pieces
+    that decode to white space included) zeros, so sampling picks words and runs to ``max_new_tokens``, as a long
+    real answer does. (With Baidu's 382-token system prompt in front, the random PE kept picking a blank piece, and
+    the enhancer rightly said it wrote no text.)"""
     embed = pe.get_input_embeddings().weight
     embed[:len(tokenizer)].normal_(0.0, 1.0)
     embed[tokenizer.all_special_ids] = 0.0
+    embed[[i for i in range(len(tokenizer)) if not tokenizer.decode([i]).strip()]] = 0.0
     embed[len(tokenizer):] = 0.0
     return pe
 
