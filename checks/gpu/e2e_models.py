@@ -76,12 +76,12 @@ def _writes_words(pe: torch.nn.Module, tokenizer) -> torch.nn.Module:
     """Random weights pick from 131072 ids, which the small test tokenizer cannot decode: an empty text. The (tied)
     embedding rows of the tokenizer's word pieces get a large scale and every other row (special tokens and pieces
     that decode to white space included) zeros, so sampling picks words and runs to ``max_new_tokens``, as a long
-    real answer does. (With Baidu's 382-token system prompt in front, the random PE kept picking a blank piece, and
-    the enhancer rightly said it wrote no text.)"""
+    real answer does. (Baidu's template ends the prompt with ``[/INST]``, and a random PE with tied embeddings
+    repeats its last token: it wrote ``[/INST]`` 64 times, which decodes to no text.)"""
     embed = pe.get_input_embeddings().weight
     embed[:len(tokenizer)].normal_(0.0, 1.0)
     embed[tokenizer.all_special_ids] = 0.0
-    embed[[i for i in range(len(tokenizer)) if not tokenizer.decode([i]).strip()]] = 0.0
+    embed[[i for i in range(len(tokenizer)) if not tokenizer.decode([i], skip_special_tokens=True).strip()]] = 0.0
     embed[len(tokenizer):] = 0.0
     return pe
 
