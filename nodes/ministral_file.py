@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ErnieImageError, quoted
+from .errors import ErnieImageError
 from .fp8_linear import DECODER_LINEAR, quantize_rows, use_fp8_linears
 from .model_files import Header, builds_weights, read_folder_headers, read_header, read_safetensors, read_tensors
 from .quant_layout import (
@@ -40,11 +40,8 @@ from .quant_layout import (
     SCALED_MARKER,
     check_layout,
     check_scale_values,
-    decode_config,
-    header_formats,
-    header_layers,
     header_metadata,
-    is_config_tensor,
+    layer_formats,
     split_quantization,
 )
 from .structure import Architecture, check_structure, count_blocks, is_ignored
@@ -185,17 +182,7 @@ def _fp8_scales(header: Header, where: Mapping[str, Path], dtype: torch.dtype, s
     fp8_weights = {k for k, info in header.items() if info.dtype in FP8_DTYPES and k != SCALED_MARKER}
     if not extra and not fp8_weights:
         return header, {}
-    configs = [k for k in extra if k.endswith(CONFIG_SUFFIX)]
-    if any(not is_config_tensor(header[k]) for k in configs):
-        key = next(k for k in configs if not is_config_tensor(header[k]))
-        raise error(f"{source}: {quoted(key)} is not a quantization configuration (a short uint8 tensor of JSON): the "
-                    f"file is damaged. {advice}")
-    try:
-        layers = header_layers(_metadata(where))
-        layers.update({k[: -len(CONFIG_SUFFIX)]: decode_config(v, k) for k, v in read_tensors(where, configs).items()})
-        formats = header_formats(header, layers)
-    except ErnieImageError as e:  # the DiT's reader says it in the pack's words; here in the model's error type
-        raise error(f"{source}: {e}") from e
+    formats = layer_formats(header, lambda keys: read_tensors(where, keys), _metadata(where), source, advice, error)
     check_layout(header, formats, source, advice, error, per_row=True)
     small = read_tensors(where, [k for k in extra if k != SCALED_MARKER])
     check_scale_values({k: v for k, v in small.items() if not k.endswith(CONFIG_SUFFIX)}, formats, dtype, source,

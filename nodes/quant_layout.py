@@ -23,7 +23,7 @@ block.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,6 +209,27 @@ def header_formats(header: Mapping[str, TensorInfo], configs: Mapping[str, dict]
             if weight is not None:
                 formats[layer] = _FP8_NAMES[weight.dtype]
     return formats
+
+
+def layer_formats(header: Mapping[str, TensorInfo], read: Callable[[list[str]], Mapping[str, torch.Tensor]],
+                  metadata: dict[str, str], source: str, advice: str, error: type[ErnieImageError] = ErnieImageError,
+                  prefix: str = "") -> dict[str, str]:
+    """Each quantized layer's format (``header_formats``), by its name in ``header``: the configurations of the
+    header ``metadata`` (its names under the file's ``prefix``) and of the ``.comfy_quant`` tensors, which
+    ``read(keys)`` reads once each is known to be a short uint8 vector. Errors name ``source``, in ``error``'s type."""
+    keys = [k for k in header if k.endswith(CONFIG_SUFFIX)]
+    bad = next((k for k in keys if not is_config_tensor(header[k])), None)
+    if bad is not None:
+        raise error(f"{source}: {quoted(bad)} is not a quantization configuration (a short uint8 tensor of JSON): the "
+                    f"file is damaged. {advice}")
+    try:
+        configs = {name[len(prefix):]: conf for name, conf in header_layers(metadata).items()
+                   if name.startswith(prefix)}
+        if keys:  # a plain file is not opened again
+            configs.update({k[: -len(CONFIG_SUFFIX)]: decode_config(v, k) for k, v in read(keys).items()})
+        return header_formats(header, configs)
+    except ErnieImageError as e:  # said in the pack's words; here in the caller's error type, naming the file
+        raise error(f"{source}: {e}") from e
 
 
 def _check_block_scale(key: str, info: TensorInfo, weight: TensorInfo, fmt: str, source: str, advice: str,

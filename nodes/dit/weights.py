@@ -23,16 +23,12 @@ import torch
 from ..errors import ErnieImageError, quoted
 from ..model_files import Header, read_folder_headers, read_header, read_json, read_safetensors, read_tensors
 from ..quant_layout import (
-    CONFIG_SUFFIX,
     FP8_FORMATS,
     SCALED_MARKER,
     check_layout,
     check_scale_values,
-    decode_config,
-    header_formats,
-    header_layers,
     header_metadata,
-    is_config_tensor,
+    layer_formats,
 )
 from ..structure import QUANTIZED_SUFFIXES, SCALE_SUFFIXES, Architecture, check_structure, count_blocks
 from .dit import ErnieImageDiT
@@ -177,27 +173,12 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
 
-def quant_formats(header: Header, read, metadata: dict[str, str], source: str, prefix: str = "") -> dict[str, str]:
-    """Each quantized layer's format (``quant_layout``), by its name in ``header`` (released keys): the configurations
-    of the header metadata (under the file's ``prefix``) and of the ``.comfy_quant`` tensors, which ``read(keys)``
-    reads once each is known to be a short uint8 vector, and scaled fp8's weights' dtypes."""
-    keys = [k for k in header if k.endswith(CONFIG_SUFFIX)]
-    for key in keys:
-        if not is_config_tensor(header[key]):
-            raise ErnieImageError(f"{source}: {quoted(key)} is not a quantization configuration (a short uint8 "
-                                  f"tensor of JSON): the file is damaged. {ADVICE}")
-    configs = {name[len(prefix):]: conf for name, conf in header_layers(metadata).items() if name.startswith(prefix)}
-    if keys:  # a plain file is not opened again
-        configs.update({k[: -len(CONFIG_SUFFIX)]: decode_config(v, k) for k, v in read(keys).items()})
-    return header_formats(header, configs)
-
-
 def check_dit_header(header: Header, source: str, declared: dict | None = None, config_source: str | None = None,
                      formats: dict[str, str] | None = None) -> dict:
     """The DiT's architecture once the header is known to hold exactly it: its blocks counted (and capped) first,
     then every name and shape against the DiT built on the meta device; ``declared`` is a snapshot's config
     (``config_source`` names it), which must agree with what the shards hold; ``formats``: the quantized layers'
-    formats (``quant_formats``), whose weights and scales must have the shapes and dtypes their formats give them
+    formats (``layer_formats``), whose weights and scales must have the shapes and dtypes their formats give them
     (build.py's layers multiply one scale into each weight: a scale per row or per block would raise deep inside
     torch there, or be folded into the wrong axis). No tensor read, no module built before the count is known."""
     check_dit_keys(list(header), source)
@@ -253,7 +234,7 @@ def _single_file_header(path: Path) -> tuple[Header, str, dict, dict[str, str]]:
     def read(keys):
         return {k[len(prefix):]: v for k, v in read_safetensors(path, [prefix + k for k in keys]).items()}
 
-    formats = quant_formats(dit, read, header_metadata(path), str(path), prefix)
+    formats = layer_formats(dit, read, header_metadata(path), str(path), ADVICE, prefix=prefix)
     return dit, prefix, check_dit_header(dit, str(path), formats=formats), formats
 
 
@@ -280,7 +261,8 @@ def _folder_header(folder: Path) -> tuple[Header, dict[str, Path], dict, dict[st
             f"{folder} holds a {class_name}, not an ERNIE-Image transformer. Pick an ERNIE-Image snapshot folder."
         )
     header, where = read_folder_headers(folder)  # a truncated shard is named here
-    formats = quant_formats(header, lambda keys: read_tensors(where, keys), header_metadata(folder), str(folder))
+    formats = layer_formats(header, lambda keys: read_tensors(where, keys), header_metadata(folder), str(folder),
+                            ADVICE)
     return header, where, check_dit_header(header, str(folder), config, str(config_path), formats), formats
 
 
