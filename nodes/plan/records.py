@@ -1,0 +1,68 @@
+"""One frozen load record per model the graph uses, made from file headers (never weights).
+
+A record says what the model can be here: its ``forms`` (as stored; fp8; a GGUF type; quantized on load), each with
+the bytes its weights take on the GPU and the largest unit that can stream through it (a block, a decoder layer), the
+``places`` it can run in, and the working memory one prompt of the requested size needs while it runs. Loaders and
+every later stage read these records as plain attributes. Forms are data: a form added later (a GGUF text encoder)
+is one more ``Form`` in a record, and the planner needs no change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DIT, TEXT_ENCODER, PROMPT_ENHANCER, VAE, LORA = "DiT", "text encoder", "Prompt Enhancer", "VAE", "LoRA"
+ROLES = (PROMPT_ENHANCER, TEXT_ENCODER, DIT, VAE)  # in the order a prompt runs them (the LoRA rides on the DiT)
+
+# Where a model runs. RESIDENT: on the GPU across prompts. STREAMED: its weights stay in (pinned) host RAM and pass
+# through the GPU a block at a time, every run. PARTIAL: ComfyUI keeps what fits on the GPU and streams the rest at
+# every run (core's partial loading). PER_PROMPT: loaded whole on the GPU for its stage, then moved out for the next
+# model. CPU: computed on the CPU.
+RESIDENT, STREAMED, PARTIAL, PER_PROMPT, CPU = "resident", "streamed", "partial", "per prompt", "CPU"
+PLACES = (RESIDENT, STREAMED, PARTIAL, PER_PROMPT, CPU)
+
+
+@dataclass(frozen=True)
+class Form:
+    """One way of holding a model's weights. ``name``: as the log says it (``GGUF Q4_K``, ``fp8``, ``bf16``);
+    ``setting``: the loader value that gives it (``none``, ``fp8_e4m3fn``, ``fp8_per_row``, ``default``);
+    ``compute``: the key of the measured cost of one run in this form (``costs.Costs.seconds``); ``weight_bytes``:
+    its weights on the GPU; ``block_bytes``: the largest unit that streams (0: it cannot stream)."""
+
+    name: str
+    setting: str
+    compute: str
+    weight_bytes: int
+    block_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class LoadRecord:
+    """One model of the graph. ``runs``: how often it runs per prompt (the DiT: its forward passes; the PE: its new
+    tokens; 1 for the text encoder and the VAE); ``working_bytes``: the GPU memory one run of a prompt of the
+    requested size takes beside the weights (activations, the decode's peak); ``fixed_form`` / ``fixed_place``: an
+    explicit loader value the plan must keep (None: ``auto``)."""
+
+    role: str
+    source: str
+    forms: tuple[Form, ...]
+    places: tuple[str, ...]
+    working_bytes: int = 0
+    runs: int = 1
+    fixed_form: str | None = None
+    fixed_place: str | None = None
+    first_read_bytes: int = 0  # what the first prompt reads from disk
+    notes: tuple[str, ...] = field(default=())
+
+    def form(self, setting: str) -> Form | None:
+        return next((f for f in self.forms if f.setting == setting), None)
+
+
+@dataclass(frozen=True)
+class LoraSet:
+    """The LoRAs applied to the DiT: ``patch_bytes`` of patches (held on the GPU with the DiT when it is resident,
+    and counted in its size), ``layers`` patched; ``sources`` the files."""
+
+    sources: tuple[str, ...]
+    patch_bytes: int
+    layers: int
