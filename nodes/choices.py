@@ -100,3 +100,9 @@ class ModelList:
     def input(self, id: str, tooltip: str) -> AliasedCombo:
         """The loader's Combo: lists ``options()`` and lets the old spellings through the pack's input check."""
         return AliasedCombo(id, options=self.options(), canonical=self.canonical, tooltip=tooltip)
+
+
+# The DiT loaders' lists (the all-in-one loader's and the DiT loader's; the memory plan reads the graph's names through
+# them too). Before the one grammar, the all-in-one loader listed a snapshot bare, the DiT loader a file.
+SNAPSHOT_MODELS = ModelList((SNAPSHOTS,), legacy="diffusers")
+DIT_MODELS = ModelList((files("diffusion_models", gguf=True), SNAPSHOTS), legacy="diffusion_models")

@@ -8,6 +8,7 @@ from comfy_api.v0_0_2 import ComfyExtension, io
 
 class ErnieImageExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        from . import planning  # noqa: F401  (registers the graph's memory plan with every loader)
         from .accel.nodes import ACCEL_NODES
         from .dit.nodes import DIT_NODES
         from .inputs import guard_nodes

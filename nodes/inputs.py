@@ -140,14 +140,16 @@ def guard(node: type[io.ComfyNode]) -> type[io.ComfyNode]:
     return node
 
 
-LM_WEIGHT_DTYPES = ("default", "fp8_e4m3fn")  # the Ministral models' weight storage (``fp8_linear``)
+LM_WEIGHT_DTYPES = ("auto", "default", "fp8_e4m3fn")  # the Ministral models' weight storage (``fp8_linear``)
 
 
 def lm_weight_dtype_input(name: str, what: str, note: str = "") -> io.Combo.Input:
     """The weight storage of a Ministral model (``what``: "text encoder", "prompt enhancer"), one input for both so
     they read alike; optional, so that workflows saved before it load unchanged. ``note``: a sentence of its own."""
-    return io.Combo.Input(name, options=list(LM_WEIGHT_DTYPES), default="default", optional=True,
-                          tooltip="default: as loaded (bf16 on GPUs that run it well; an fp8 file stays fp8). "
+    return io.Combo.Input(name, options=list(LM_WEIGHT_DTYPES), default="auto", optional=True,
+                          tooltip="auto: what the memory plan picks for this card and the whole graph (the log "
+                          "states the plan). default: as loaded (bf16 on GPUs that run it well; an fp8 file stays "
+                          "fp8). "
                           f"fp8_e4m3fn: the {what}'s decoder layers in fp8 (about half its memory), cast to the "
                           f"compute dtype as each layer runs: any GPU and the CPU.{' ' + note if note else ''}")
 

@@ -11,7 +11,7 @@ from comfy_api.v0_0_2 import io
 
 from .accel.compile import compiles_by_default, fp8_cast_problem
 from .accel.patching import compile_by_default
-from .choices import SNAPSHOTS, ModelList, files
+from .choices import DIT_MODELS, SNAPSHOT_MODELS, SNAPSHOTS
 from .dit.build import dit_skeleton, load_dit
 from .dit.gguf import gguf_dtype, load_gguf_dit
 from .dit.model import make_model_patcher
@@ -21,18 +21,25 @@ from .dit.vae import load_snapshot_vae
 from .dit.weights import tensor_locations
 from .host.memory import capacity, fits_whole, torch_device, usable_memory
 from .host.sizes import module_bytes
-from .inputs import wants_fp8
 from .pe.nodes import pe_weight_dtype_input, snapshot_pe
+from .plan import session
+from .plan.records import DIT, RESIDENT
 from .quant.capability import METHODS, cuda_arch, halving_method, probe
 from .quant.choice import AUTO, choose, fp8_bytes
 from .quant.quantize import load_quantized_dit
 from .sockets import ErniePEType, ErnieTextEncoderType
 from .text.managed import ManagedTextEncoder
-from .text.nodes import text_encoder_device_input, text_encoder_weight_dtype_input
+from .text.nodes import planned_text_encoder, text_encoder_device_input, text_encoder_weight_dtype_input
 
-# Before the one grammar (``choices``), the all-in-one loader listed a snapshot bare, the DiT loader a file.
-SNAPSHOT_MODELS = ModelList((SNAPSHOTS,), legacy="diffusers")
-DIT_MODELS = ModelList((files("diffusion_models", gguf=True), SNAPSHOTS), legacy="diffusion_models")
+
+def _planned(quantization: str, weight_dtype: str) -> tuple[str, str]:
+    """``auto`` as the graph's memory plan resolves it (its DiT form's ``quantization/weight_dtype``)."""
+    if quantization != AUTO or session.place(DIT) is None:
+        return quantization, weight_dtype
+    planned, planned_dtype = session.form_setting(DIT, AUTO, f"{AUTO}/{weight_dtype}").split("/")
+    logging.info("ERNIE-Image: quantization auto follows the memory plan: %s with weight_dtype %s", planned,
+                 planned_dtype)
+    return planned, planned_dtype
 
 
 def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, disable_dynamic: bool = False):
@@ -43,7 +50,8 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, 
     device = torch_device()
     if quantization == AUTO and path.suffix.lower() == ".gguf":
         quantization = "none"  # a GGUF file is quantized already: auto keeps it as it is
-    if quantization == AUTO:
+    quantization, weight_dtype = _planned(quantization, weight_dtype)
+    if quantization == AUTO:  # no plan here (a flag or device that fixes placement): the rule for this GPU
         choice = choose(probe(device), capacity(device), fp8_bytes(path), weight_dtype)
         logging.info("ERNIE-Image: quantization auto chose %s with weight_dtype %s: %s", choice.quantization,
                      choice.weight_dtype, choice.why)
@@ -77,7 +85,9 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, 
                 and fp8_cast_problem(dit.layers, device) is None)
     # Compiled blocks need their weights on the GPU: where the whole DiT fits there, core's classic patcher keeps
     # it so (as core's compile node demotes a dynamic model); elsewhere core's own choice streams it.
-    resident = disable_dynamic or (compiles and fits_whole(module_bytes(dit), device))
+    planned = session.place(DIT)
+    resident = disable_dynamic or (compiles and (planned == RESIDENT if planned else fits_whole(module_bytes(dit),
+                                                                                                device)))
     patcher = make_model_patcher(dit, shift, whole=method.loads_whole, resident=resident)
     patcher.cached_patcher_init = (_load_model, (path, weight_dtype, quantization, shift))
     return compile_by_default(patcher) if compiles else patcher
@@ -89,10 +99,11 @@ def _weight_inputs() -> list:
                        tooltip="default: bf16 on GPUs that run it well, fp32 on the CPU; an fp8 file stays fp8. "
                        "fp8_*: the blocks' weights stored in fp8 (half of bf16's memory), cast to bf16 as each "
                        "layer runs."),
-        io.Combo.Input("quantization", options=[AUTO, *METHODS], default="none",
-                       tooltip="Quantize the DiT's block linear layers at load time. auto: the fastest that fits "
-                       "this GPU (fp8_per_row on RTX 40/50 where the FP8 DiT fits beside the text encoder, else fp8 "
-                       "storage that ComfyUI streams; the log says which). fp8_per_row: RTX 40, H100/H200, "
+        io.Combo.Input("quantization", options=[AUTO, *METHODS], default=AUTO,
+                       tooltip="Quantize the DiT's block linear layers at load time. auto: what the memory plan "
+                       "picks for this card and the whole graph (the log states the plan): on RTX 40/50 fp8_per_row "
+                       "where the FP8 DiT stays on the card beside the rest, else fp8 storage that ComfyUI streams; "
+                       "a GGUF file stays as it is. fp8_per_row: RTX 40, H100/H200, "
                        "Blackwell (needs torchao; weights 16 → 8 GB). int8_weight_only: any NVIDIA GPU (needs "
                        "torchao). svdq_*: SVDQuant W4A4 on A100, RTX 30/40/50 with the cache-dit-cu13 build; "
                        "minutes the first time, then reloaded from models/ernie_quantized. See the README."),
@@ -122,6 +133,7 @@ class ErnieImageLoader(io.ComfyNode):
                 io.Vae.Output(),
                 ErniePEType.Output(display_name="PE"),
             ],
+            hidden=[io.Hidden.prompt],
         )
 
     @classmethod
@@ -129,14 +141,16 @@ class ErnieImageLoader(io.ComfyNode):
         return SNAPSHOT_MODELS.check(model_name)
 
     @classmethod
-    def execute(cls, model_name: str, weight_dtype: str = "default", quantization: str = "none",
-                text_encoder_device: str = "default", text_encoder_weight_dtype: str = "default",
-                pe_weight_dtype: str = "default") -> io.NodeOutput:
+    def execute(cls, model_name: str, weight_dtype: str = "default", quantization: str = AUTO,
+                text_encoder_device: str = AUTO, text_encoder_weight_dtype: str = AUTO,
+                pe_weight_dtype: str = AUTO) -> io.NodeOutput:
         snapshot = SNAPSHOT_MODELS.resolve(model_name).path
+        session.plan_for_node(cls)
         model = _load_model(snapshot, weight_dtype, quantization, snapshot_shift(snapshot))
+        device, fp8, streamed = planned_text_encoder(text_encoder_device, text_encoder_weight_dtype)
         return io.NodeOutput(
             model,
-            ManagedTextEncoder.from_snapshot(snapshot, text_encoder_device, wants_fp8(text_encoder_weight_dtype)),
+            ManagedTextEncoder.from_snapshot(snapshot, device, fp8),
             load_snapshot_vae(snapshot),
             snapshot_pe(snapshot, pe_weight_dtype),
         )
@@ -159,6 +173,7 @@ class ErnieImageDiTLoader(io.ComfyNode):
                 *_weight_inputs(),
             ],
             outputs=[io.Model.Output()],
+            hidden=[io.Hidden.prompt],
         )
 
     @classmethod
@@ -166,8 +181,9 @@ class ErnieImageDiTLoader(io.ComfyNode):
         return DIT_MODELS.check(model_name)
 
     @classmethod
-    def execute(cls, model_name: str, weight_dtype: str = "default", quantization: str = "none") -> io.NodeOutput:
+    def execute(cls, model_name: str, weight_dtype: str = "default", quantization: str = AUTO) -> io.NodeOutput:
         model = DIT_MODELS.resolve(model_name)
+        session.plan_for_node(cls)
         shift = snapshot_shift(model.path) if model.folder == SNAPSHOTS.folder else DEFAULT_SHIFT
         return io.NodeOutput(_load_model(model.path, weight_dtype, quantization, shift))
 

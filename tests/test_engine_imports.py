@@ -27,6 +27,7 @@ BLOCKED = sorted(CORE_MODULES | {"folder_paths", "comfy_api"})
 ENGINE = [
     "__init__.py", "errors.py", "model_files.py", "ministral_file.py", "quant_layout.py", "structure.py",
     "fp8_linear.py", "memory_advice.py", "cancel.py",
+    "plan/__init__.py", "plan/costs.py", "plan/describe.py", "plan/planner.py", "plan/records.py", "plan/session.py",
     "gguf/__init__.py", "gguf/dequant.py", "gguf/header.py", "gguf/reader.py",
     "accel/__init__.py", "accel/cache.py", "accel/cache_presets.py", "accel/compile.py",
     "quant/__init__.py", "quant/capability.py", "quant/choice.py", "quant/quantize.py", "quant/requantize.py",
@@ -44,7 +45,7 @@ ENGINE = [
 # The host layer's modules that engines may use: plain torch, no core.
 PLAIN_HOST = ["host/__init__.py", "host/sizes.py"]
 COMFY_SIDE = [
-    "extension.py", "inputs.py", "paths.py", "choices.py", "loaders.py", "sockets.py",
+    "extension.py", "inputs.py", "paths.py", "choices.py", "loaders.py", "planning.py", "sockets.py",
     "accel/nodes.py", "accel/patching.py",
     "dit/build.py", "dit/gguf.py", "dit/model.py", "dit/nodes.py", "dit/precision.py", "dit/vae.py",
     "lora/nodes.py", "lora/patching.py",

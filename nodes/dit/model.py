@@ -19,13 +19,14 @@ import torch
 
 from ..errors import ErnieImageError
 from ..host.gguf_layers import GGUFModelPatcher
-from ..host.memory import allocated_memory
+from ..host.memory import allocated_memory, make_room_beside, peak_memory
 from ..host.model import FLOW, BaseModel, CONDConstant, CONDRegular, Flux2LatentFormat, SupportedModel, model_patcher
 from ..host.oom import sampling_advice
 from ..host.patchers import WholeModelPatcher, dit_patcher_class, out_of_memory
 from ..host.sampling import run_diffusion_model
 from ..host.sizes import module_bytes, tensor_bytes
 from ..memory_advice import DIT, PackModel, dtype_name, one_byte_saving, q4_k_m_bytes
+from ..plan import session
 from .attention import say_unapplied_patches
 from .dit import ErnieImageDiT
 from .precision import Precision
@@ -100,13 +101,23 @@ class ErnieImageDiffusionModel(ErnieImageDiT):
 
     def forward(self, x, timestep, context, text_lens, transformer_options={}, **kwargs):
         started = allocated_memory(x.device)  # what was held before this step: the advice counts the step's own
-        try:
-            out = run_diffusion_model(self._forward, self, transformer_options, x, timestep, context, text_lens,
-                                      transformer_options, **kwargs)
-        except torch.OutOfMemoryError as error:
-            image = (x.shape[-1] * PIXELS_PER_LATENT, x.shape[-2] * PIXELS_PER_LATENT)
-            raise out_of_memory(error, sampling_advice(self, list(x.shape), context.shape[1], x.device, image,
-                                                       PIXELS_PER_LATENT, transformer_options, started)) from error
+        for attempt in range(2):
+            retry = False
+            try:
+                out = run_diffusion_model(self._forward, self, transformer_options, x, timestep, context, text_lens,
+                                          transformer_options, **kwargs)
+                break
+            except torch.OutOfMemoryError as error:
+                # A step the memory plan said fits: plan again with what it took, make room, retry once (outside
+                # this block, which holds the failed step's tensors).
+                retry = attempt == 0 and session.out_of_memory(peak_memory(x.device))
+                if not retry:
+                    image = (x.shape[-1] * PIXELS_PER_LATENT, x.shape[-2] * PIXELS_PER_LATENT)
+                    raise out_of_memory(error, sampling_advice(self, list(x.shape), context.shape[1], x.device,
+                                                               image, PIXELS_PER_LATENT, transformer_options,
+                                                               started)) from error
+            if retry:
+                make_room_beside(self, x.device)
         self._check_first_step(out, transformer_options)
         return out
 
@@ -118,6 +129,7 @@ class ErnieImageDiffusionModel(ErnieImageDiT):
         if run is None or _CHECKED_RUNS.get(id(run)) is run:
             return
         _CHECKED_RUNS[id(run)] = run
+        session.prompt_started()  # where the text encode was cached, the prompt's time starts with sampling
         if not bool(torch.isfinite(out).all()):
             raise ErnieImageError(
                 f"The DiT's first sampled step gave values that are not finite (NaN or infinity): the weights of "

@@ -6,6 +6,7 @@ took from 18 s to 154 s (bench/RESULTS.md, "Fast path on Hopper"), too long and 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ import torch
 from ..errors import ErnieImageError
 from ..host.vae import core_vae, decode_in_row_slabs
 from ..model_files import builds_weights, read_safetensors
+from ..plan import session
 
 # The VAE's batch-norm epsilon as trained and as diffusers applies it; ComfyUI's Flux.2 VAE assumes 1e-4,
 # which shifts every decoded latent channel whose running variance is small.
@@ -50,7 +52,19 @@ def make_vae(state_dict: dict[str, torch.Tensor], source: str):
     vae.first_stage_model.bn_eps = TRAINED_BN_EPS
     decode_in_row_slabs(vae.first_stage_model.decoder)
     vae.memory_used_decode = decode_memory  # core reads it before each decode (VAE.decode and decode_tiled)
+    vae.decode = _timed(vae.decode)
     return vae
+
+
+def _timed(decode):
+    """The decode, after which the log states the prompt's time beside the plan's prediction (the decode ends a
+    prompt)."""
+    @functools.wraps(decode)
+    def timed(*args, **kwargs):
+        images = decode(*args, **kwargs)
+        session.prompt_finished()
+        return images
+    return timed
 
 
 @builds_weights  # the weights read as normal tensors too: core's dynamic-VRAM VAE assigns them as its parameters

@@ -108,3 +108,17 @@ def dtype_size(dtype: torch.dtype) -> int:
 def allocated_memory(device: torch.device) -> int:
     """Bytes torch's allocator has handed out on ``device`` now (0 but on CUDA, whose allocator counts them)."""
     return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0
+
+
+def peak_memory(device: torch.device) -> int:
+    """The most torch's allocator has handed out on ``device`` since it last reset its count (0 but on CUDA)."""
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
+
+
+def make_room_beside(diffusion_model: torch.nn.Module, device: torch.device) -> None:
+    """Unload every model core holds on ``device`` but the one around ``diffusion_model``, and empty torch's cache:
+    the room a retried step gets after an out-of-memory error."""
+    keep = [m for m in mm.current_loaded_models
+            if getattr(getattr(m.model, "model", None), "diffusion_model", None) is diffusion_model]
+    mm.free_memory(mm.get_total_memory(device), device, keep_loaded=keep)
+    mm.soft_empty_cache()

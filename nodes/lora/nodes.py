@@ -8,6 +8,7 @@ from comfy_api.v0_0_2 import io
 
 from ..host.sampling import show_on_node
 from ..paths import check_choice, model_file_path, safetensors_names
+from ..plan import session
 from .files import read_lora
 from .patching import apply_lora
 
@@ -31,7 +32,7 @@ class ErnieImageLoraLoader(io.ComfyNode):
                                tooltip="How strongly the LoRA changes the DiT (0: not at all), as in core's loaders."),
             ],
             outputs=[io.Model.Output()],
-            hidden=[io.Hidden.unique_id],
+            hidden=[io.Hidden.unique_id, io.Hidden.prompt],
         )
 
     @classmethod
@@ -40,6 +41,7 @@ class ErnieImageLoraLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, lora_name: str, strength_model: float) -> io.NodeOutput:
+        session.plan_for_node(cls)  # the LoRA's patches change what the DiT holds: the graph is planned anew
         if strength_model == 0:
             return io.NodeOutput(model)  # as core's loaders: nothing read, nothing patched
         lora = read_lora(model_file_path("loras", lora_name), lora_name)

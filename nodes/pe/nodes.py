@@ -15,6 +15,9 @@ from comfy_api.v0_0_2 import io, ui
 
 from ..host.memory import device_options
 from ..inputs import lm_weight_dtype_input, wants_fp8
+from ..plan import session
+from ..plan.records import CPU, PROMPT_ENHANCER
+from ..plan.session import AUTO
 from ..sockets import ErniePEType
 from .cache import CACHE_MODES, ResultCache, enhance_cached
 from .comfy_runtime import ComfyRuntime
@@ -49,14 +52,17 @@ class ErnieImagePELoader(io.ComfyNode):
             inputs=[
                 PE_MODELS.input("model_name", tooltip="diffusers/<snapshot> (its pe/ and pe_tokenizer/), or a PE "
                                 "folder or ernie-image-prompt-enhancer.safetensors under models/text_encoders."),
-                io.Combo.Input("device", options=device_options(), default="default",
-                               tooltip="default: ComfyUI's GPU. Another GPU keeps the PE beside the DiT."),
+                io.Combo.Input("device", options=[AUTO, *device_options()], default=AUTO,
+                               tooltip="auto: where the memory plan puts it for this card and the whole graph (the "
+                               "GPU, loaded for its stage or kept there, or the CPU; the log states the plan). "
+                               "default: ComfyUI's GPU. Another GPU keeps the PE beside the DiT."),
                 io.Combo.Input("dtype", options=["auto", *DTYPES], default="auto",
                                tooltip="auto: as ComfyUI's text encoders: bf16 on GPUs that compute in it (NVIDIA from "
                                "Ampere on), float32 elsewhere (the CPU, older GPUs)."),
                 pe_weight_dtype_input("weight_dtype"),
             ],
             outputs=[ErniePEType.Output(display_name="PE")],
+            hidden=[io.Hidden.prompt],
         )
 
     @classmethod
@@ -64,10 +70,13 @@ class ErnieImagePELoader(io.ComfyNode):
         return PE_MODELS.check(model_name)
 
     @classmethod
-    def execute(cls, model_name: str, device: str = "default", dtype: str = "auto",
-                weight_dtype: str = "default") -> io.NodeOutput:
+    def execute(cls, model_name: str, device: str = AUTO, dtype: str = "auto",
+                weight_dtype: str = AUTO) -> io.NodeOutput:
+        session.plan_for_node(cls)
+        if device == AUTO:
+            device = "cpu" if session.place(PROMPT_ENHANCER) == CPU else "default"
         return io.NodeOutput(LocalPromptEnhancer.from_path(pe_path(model_name), device=device, dtype=dtype,
-                                                          runtime=ComfyRuntime(), fp8=wants_fp8(weight_dtype)))
+                                                          runtime=ComfyRuntime(), fp8=planned_fp8(weight_dtype)))
 
 
 class ErnieImagePERemote(io.ComfyNode):
@@ -105,10 +114,16 @@ class ErnieImagePERemote(io.ComfyNode):
                                                   runtime=ComfyRuntime()))
 
 
-def snapshot_pe(snapshot: Path, weight_dtype: str = "default") -> LocalPromptEnhancer | None:
+def snapshot_pe(snapshot: Path, weight_dtype: str = AUTO) -> LocalPromptEnhancer | None:
     """The PE of a snapshot folder on ComfyUI's host, lazy (the all-in-one loader's); None when it has no ``pe/``.
     ``weight_dtype``: a value of ``pe_weight_dtype_input``."""
-    return LocalPromptEnhancer.from_snapshot(snapshot, runtime=ComfyRuntime(), fp8=wants_fp8(weight_dtype))
+    return LocalPromptEnhancer.from_snapshot(snapshot, runtime=ComfyRuntime(), fp8=planned_fp8(weight_dtype))
+
+
+def planned_fp8(weight_dtype: str) -> bool:
+    """Whether the PE's decoder layers are fp8: ``weight_dtype`` (``pe_weight_dtype_input``), ``auto`` as the plan
+    resolves it."""
+    return wants_fp8(session.form_setting(PROMPT_ENHANCER, weight_dtype, "default"))
 
 
 @functools.cache

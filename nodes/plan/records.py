@@ -9,7 +9,7 @@ is one more ``Form`` in a record, and the planner needs no change.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 DIT, TEXT_ENCODER, PROMPT_ENHANCER, VAE, LORA = "DiT", "text encoder", "Prompt Enhancer", "VAE", "LoRA"
 ROLES = (PROMPT_ENHANCER, TEXT_ENCODER, DIT, VAE)  # in the order a prompt runs them (the LoRA rides on the DiT)
@@ -50,9 +50,9 @@ class LoadRecord:
     working_bytes: int = 0
     runs: int = 1
     fixed_form: str | None = None
-    fixed_place: str | None = None
     first_read_bytes: int = 0  # what the first prompt reads from disk
-    notes: tuple[str, ...] = field(default=())
+    compute_scale: float = 1.0  # a run's compute against the measured one (the DiT: the image's pixels / 1024²)
+    eager_factor: float = 1.0  # a streamed block's compute against a resident one's (compiled blocks stream eager)
 
     def form(self, setting: str) -> Form | None:
         return next((f for f in self.forms if f.setting == setting), None)

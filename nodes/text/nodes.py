@@ -8,6 +8,9 @@ from ..choices import SNAPSHOTS, ModelList, files
 from ..host.memory import device_options
 from ..inputs import lm_weight_dtype_input, wants_fp8
 from ..paths import is_prompt_enhancer_file, model_file_path
+from ..plan import session
+from ..plan.records import CPU, STREAMED, TEXT_ENCODER
+from ..plan.session import AUTO
 from ..sockets import ErnieTextEncoderType
 from .managed import ManagedTextEncoder
 
@@ -27,9 +30,21 @@ TEXT_ENCODER_MODELS = ModelList(
 
 def text_encoder_device_input(name: str) -> io.Combo.Input:
     """The text encoder's device: optional, so that workflows saved before it load unchanged."""
-    return io.Combo.Input(name, options=device_options(), default="default", optional=True,
-                          tooltip="default: where ComfyUI runs text encoders (the CPU when that GPU cannot hold "
-                          "the encoder at all). cpu or another GPU keeps it off the DiT's card.")
+    return io.Combo.Input(name, options=[AUTO, *device_options()], default=AUTO, optional=True,
+                          tooltip="auto: where the memory plan puts it for this card and the whole graph: on the "
+                          "GPU beside the DiT, streamed through the GPU layer by layer, or on the CPU (the log states "
+                          "the plan). default: where ComfyUI runs text encoders, loaded whole (the CPU when that GPU "
+                          "cannot hold it at all). cpu or another GPU keeps it off the DiT's card.")
+
+
+def planned_text_encoder(device: str, weight_dtype: str) -> tuple[str, bool, bool]:
+    """The loader's ``device`` and ``weight_dtype`` with ``auto`` resolved by the graph's plan: the device ComfyUI
+    manages it on, whether its decoder layers are fp8, and whether it streams through the GPU."""
+    fp8 = wants_fp8(session.form_setting(TEXT_ENCODER, weight_dtype, "default"))
+    if device != AUTO:
+        return device, fp8, False
+    place = session.place(TEXT_ENCODER)
+    return ("cpu" if place == CPU else "default"), fp8, place == STREAMED
 
 
 def text_encoder_weight_dtype_input(name: str) -> io.Combo.Input:
@@ -53,6 +68,7 @@ class ErnieImageTextEncoderLoader(io.ComfyNode):
                 text_encoder_weight_dtype_input("weight_dtype"),
             ],
             outputs=[ErnieTextEncoderType.Output(display_name="TEXT_ENCODER")],
+            hidden=[io.Hidden.prompt],
         )
 
     @classmethod
@@ -60,9 +76,10 @@ class ErnieImageTextEncoderLoader(io.ComfyNode):
         return TEXT_ENCODER_MODELS.check(model_name)
 
     @classmethod
-    def execute(cls, model_name: str, device: str = "default", weight_dtype: str = "default") -> io.NodeOutput:
+    def execute(cls, model_name: str, device: str = AUTO, weight_dtype: str = AUTO) -> io.NodeOutput:
         model = TEXT_ENCODER_MODELS.resolve(model_name)
-        fp8 = wants_fp8(weight_dtype)
+        session.plan_for_node(cls)
+        device, fp8, streamed = planned_text_encoder(device, weight_dtype)
         if model.folder == SNAPSHOTS.folder:
             return io.NodeOutput(ManagedTextEncoder.from_snapshot(model.path, device, fp8))
         return io.NodeOutput(ManagedTextEncoder.from_single_file(model.path, device, fp8))
@@ -81,10 +98,13 @@ class ErnieImageTextEncode(io.ComfyNode):
                 io.String.Input("text", multiline=True, dynamic_prompts=True, tooltip="The prompt."),
             ],
             outputs=[io.Conditioning.Output()],
+            hidden=[io.Hidden.prompt],
         )
 
     @classmethod
     def execute(cls, text_encoder: ManagedTextEncoder, text: str) -> io.NodeOutput:
+        session.plan_for_node(cls)  # a graph changed since its loaders ran (a LoRA added) is planned anew
+        session.prompt_started()
         return io.NodeOutput([[text_encoder.encode(text), {}]])
 
 

@@ -1,0 +1,67 @@
+"""What the memory plan needs from the core: the card as core would give it to models, the flags that fix placement,
+core's working-memory rules, and the models core holds.
+
+- Usable memory: what core counts free on the device (its driver view and torch's cache; on current cores also what
+  idle dynamic-VRAM models hold), plus what the models it has loaded hold there (core unloads them on demand), less
+  its reserve (``--reserve-vram``). Other programs' memory is not free, so it is not counted.
+- Placement flags: under ``--gpu-only``, ``--highvram``, ``--lowvram`` or ``--novram`` (and on a device that is not a
+  CUDA GPU) core's own placement applies and the pack makes no plan (``placement_fixed``).
+- Working memory: core frees ``max(minimum_inference_memory, the step's estimate + reserve)`` before it samples or
+  decodes (model_management.load_models_gpu, 0.3.75 and upstream @4e2cf6d6), so a stage's working memory is at least
+  core's minimum less the reserve (the reserve is taken off the usable memory already).
+"""
+
+from __future__ import annotations
+
+import comfy.cli_args
+import comfy.model_management as mm
+import torch
+
+from .memory import usable_memory
+
+# Core's flags that fix where models go, as its VRAMState says (model_management.py).
+PLACEMENT_FLAGS = {"gpu_only": "--gpu-only", "highvram": "--highvram", "lowvram": "--lowvram", "novram": "--novram",
+                   "cpu": "--cpu"}
+
+
+def placement_fixed(device: torch.device) -> str | None:
+    """Why core's own placement applies here (a flag, or a device that is not a CUDA GPU); None: the pack plans."""
+    for flag, words in PLACEMENT_FLAGS.items():
+        if getattr(comfy.cli_args.args, flag, False):
+            return words
+    if not mm.is_device_cuda(device):
+        return f"{device} is not a CUDA GPU"
+    return None
+
+
+def _loaded_on(device: torch.device) -> int:
+    """Bytes the models core has loaded hold on ``device`` (core unloads them when another model needs the room)."""
+    held = 0
+    for loaded in mm.current_loaded_models:
+        if loaded.device == device:
+            held += int(loaded.model_loaded_memory())
+    return held
+
+
+def usable_for_models(device: torch.device) -> int:
+    """The memory the pack's models and their working memory may take on ``device`` (see the module's words)."""
+    return usable_memory(device) + _loaded_on(device)
+
+
+def pinnable() -> int:
+    """Host bytes core would still pin (its ``MAX_PINNED_MEMORY`` less what is pinned; 0 where the core does not
+    pin, or ``--disable-pinned-memory``)."""
+    most = getattr(mm, "MAX_PINNED_MEMORY", 0)
+    return max(int(most) - int(getattr(mm, "TOTAL_PINNED_MEMORY", 0)), 0) if most and most > 0 else 0
+
+
+def working_floor() -> int:
+    """The least working memory core frees before a stage, less its reserve (taken off the usable memory already)."""
+    return int(mm.minimum_inference_memory()) - int(mm.extra_reserved_memory())
+
+
+def step_estimate(model_config, latent_shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Core's estimate of a sampling step's memory for a batch of cond and uncond (comfy/samplers.py estimates the
+    step at twice the batch; ``BaseModel.memory_required``'s formula for a model without its own)."""
+    area = 2 * latent_shape[0] * latent_shape[-2] * latent_shape[-1]
+    return int(area * mm.dtype_size(dtype) * 0.01 * model_config.memory_usage_factor * 2**20)

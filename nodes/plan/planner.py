@@ -1,0 +1,215 @@
+"""The memory plan: each model's form and place for a card, chosen to minimise the predicted warm prompt (a pure
+function: engine code, no ComfyUI).
+
+A prompt runs its models in stages (``records.ROLES``: the PE, the text encoder, the DiT, the VAE decode). A model
+RESIDENT on the GPU holds its weights there through every stage; the others hold GPU memory only in their own stage:
+PER_PROMPT its whole weights, STREAMED two of its blocks (the one computing and the next arriving), PARTIAL (the DiT
+under core's partial loading) the part core keeps, which stays through every stage, CPU nothing. A stage's peak is
+what the residents hold, what the running model holds and its working memory; a plan is possible where every stage's
+peak fits the usable memory and what is pinned fits the host's pinnable memory.
+
+Time: each model's runs at the measured cost of its form (``costs``), plus the bytes it moves host → GPU each prompt
+at the measured bandwidth (pinned for streamed weights and core's partial loading, which pins what it keeps off the
+GPU; pageable for whole loads). Every combination is tried (a handful of forms and places per model). Where every
+model can stay on the GPU at once, the plan keeps them there: it moves nothing per prompt, which no measured cost
+beats on a card whose link other programs share. Otherwise the plan is the fastest possible one, then the one whose
+first prompt is fastest, then the one that moves fewest bytes. A larger card only adds possible combinations, so the
+predicted warm time does not rise as memory grows, but where all-resident forms are slower than a mix that streams
+(the tests check this over every size for ERNIE-Image's models).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .costs import Costs
+from .records import CPU, DIT, PARTIAL, PER_PROMPT, RESIDENT, ROLES, STREAMED, Form, LoadRecord, LoraSet
+
+GIB = 2**30
+LOAD_MARGIN = 1.1  # core frees 1.1x a model's size before it loads it whole (model_management.load_models_gpu)
+DISK_BYTES_PER_S = 1e9  # the first prompt's read of the files (the same files in every plan: a tie-breaker only)
+
+
+@dataclass(frozen=True)
+class Card:
+    """``usable``: bytes the pack's models and their working memory may take on the GPU (what core would give
+    models, less what other processes hold); ``pinnable``: host bytes that may be pinned (core's bound)."""
+
+    usable: int
+    pinnable: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    record: LoadRecord
+    form: Form
+    place: str
+    gpu_bytes: int  # held on the GPU across prompts (resident, or the part core keeps)
+    copied: int  # bytes moved host → GPU each warm prompt
+    seconds: float  # its share of a warm prompt
+
+    @property
+    def role(self) -> str:
+        return self.record.role
+
+
+@dataclass(frozen=True)
+class Plan:
+    card: Card
+    placements: tuple[Placement, ...]
+    warm: float
+    first: float
+    peak: int
+    lora: LoraSet | None = None
+
+    def of(self, role: str) -> Placement | None:
+        return next((p for p in self.placements if p.role == role), None)
+
+    @property
+    def copied(self) -> int:
+        return sum(p.copied for p in self.placements)
+
+    def line(self) -> str:
+        """The plan in one line, as the log states it."""
+        parts = []
+        for p in self.placements:
+            what = f"{p.role} {p.form.name} {p.place}"
+            if p.place == RESIDENT:
+                what += f" ({p.gpu_bytes / GIB:.1f} GiB)"
+            elif p.place == PARTIAL:
+                what += f" ({p.gpu_bytes / GIB:.1f} of {p.form.weight_bytes / GIB:.1f} GiB on the GPU)"
+            if p.copied:
+                what += f" ({p.copied / 1e9:.1f} GB per prompt)"
+            if p.role == DIT and self.lora is not None:
+                what += f", {len(self.lora.sources)} LoRA ({self.lora.patch_bytes / 2**20:.0f} MiB with it)"
+            parts.append(what)
+        return (f"plan for {self.card.usable / GIB:.1f} GiB usable: {', '.join(parts)}; "
+                f"predicted warm {self.warm:.1f} s")
+
+
+class BelowFloor(ValueError):
+    """No plan fits: ``needed`` is the least usable memory any plan of these files needs."""
+
+    def __init__(self, needed: int, lowest: tuple[Placement, ...]):
+        super().__init__(f"needs {needed / GIB:.1f} GiB usable")
+        self.needed, self.lowest = needed, lowest
+
+
+def _options(record: LoadRecord) -> list[tuple[Form, str]]:
+    forms = [f for f in record.forms if record.fixed_form in (None, f.setting)]
+    return [(f, p) for f in forms for p in record.places if p not in (STREAMED, PARTIAL) or f.block_bytes > 0]
+
+
+def _run_seconds(record: LoadRecord, form: Form, place: str, costs: Costs) -> float | None:
+    """One run's compute time in ``form`` at ``place`` (None: it cannot run there, or nothing is known of it)."""
+    table = costs.cpu_seconds if place == CPU else costs.seconds
+    if form.compute in table:
+        return table[form.compute] * record.compute_scale
+    # A form the probe has not measured: the slowest measured form of the same model kind (never optimistic).
+    kind = form.compute.split(":", 1)[0] + ":"
+    known = [s for key, s in table.items() if key.startswith(kind)]
+    if known:
+        return max(known) * record.compute_scale
+    # Nothing measured of this kind (the VAE's decode): the same in every plan on the GPU; never planned on the CPU.
+    return None if place == CPU else 0.0
+
+
+def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | None, card: Card,
+              costs: Costs) -> tuple[float, float, int, int, tuple[Placement, ...]] | None:
+    lora_bytes = lora.patch_bytes if lora is not None else 0
+    resident = 0
+    for record, form, place in choice:
+        if place == RESIDENT:
+            resident += form.weight_bytes + (lora_bytes if record.role == DIT else 0)
+    # A stage's own memory beside the residents: its working memory and what its model holds only then.
+    stage = []
+    for record, form, place in choice:
+        held = {PER_PROMPT: int(form.weight_bytes * LOAD_MARGIN), STREAMED: 2 * form.block_bytes}.get(place, 0)
+        stage.append(0 if place == CPU else held + record.working_bytes)
+    partial = [i for i, (_, _, place) in enumerate(choice) if place == PARTIAL]
+    kept = 0
+    if partial:  # core keeps what fits of the DiT through every stage; at least one block must pass through
+        i = partial[0]
+        form = choice[i][1]
+        kept = min(form.weight_bytes - form.block_bytes, card.usable - resident - max(stage) - form.block_bytes)
+        if kept < 0:
+            return None
+    peak = resident + kept + max(stage, default=0) + (choice[partial[0]][1].block_bytes if partial else 0)
+    if peak > card.usable:
+        return None
+    # Streamed weights are pinned where core allows it (its bound on pinned host memory); else they stream from
+    # pageable memory, more slowly.
+    streamed = sum(form.weight_bytes for _, form, place in choice if place == STREAMED)
+    stream_rate = costs.pinned if streamed <= card.pinnable else costs.pageable
+    warm = first = 0.0
+    placements = []
+    for record, form, place in choice:
+        run = _run_seconds(record, form, place, costs)
+        if run is None:
+            return None
+        gpu = form.weight_bytes + (lora_bytes if record.role == DIT else 0) if place == RESIDENT else 0
+        moved = 0
+        if place == STREAMED:
+            moved = record.runs * form.weight_bytes
+            seconds = record.runs * run + moved / stream_rate
+        elif place == PARTIAL:
+            gpu = kept
+            moved = record.runs * (form.weight_bytes + (lora_bytes if record.role == DIT else 0) - kept)
+            # The blocks core streams run eager (compiled blocks need their weights on the GPU): at ``eager_factor``.
+            share = 1 - kept / form.weight_bytes
+            seconds = record.runs * run * (1 + share * (record.eager_factor - 1)) + moved / costs.pinned
+        elif place == PER_PROMPT:
+            moved = form.weight_bytes
+            seconds = record.runs * run + moved / costs.pageable
+        else:
+            seconds = record.runs * run
+        warm += seconds
+        first += seconds + record.first_read_bytes / DISK_BYTES_PER_S
+        placements.append(Placement(record, form, place, gpu, moved, seconds))
+    return warm, first, sum(p.copied for p in placements), peak, tuple(placements)
+
+
+def _ordered(records: Sequence[LoadRecord]) -> list[LoadRecord]:
+    return sorted(records, key=lambda r: ROLES.index(r.role) if r.role in ROLES else len(ROLES))
+
+
+def _best(records: list[LoadRecord], card: Card, costs: Costs, lora: LoraSet | None) -> Plan | None:
+    best = None
+    for combination in itertools.product(*(_options(r) for r in records)):
+        choice = [(r, form, place) for r, (form, place) in zip(records, combination, strict=True)]
+        found = _evaluate(choice, lora, card, costs)
+        if found is None:
+            continue
+        warm, first, copied, peak, placements = found
+        everywhere = all(p.place == RESIDENT for p in placements)
+        key = (not everywhere, round(warm, 3), round(first, 3), copied)
+        if best is None or key < best[0]:
+            best = (key, Plan(card, placements, warm, first, peak, lora))
+    return None if best is None else best[1]
+
+
+def plan(records: Sequence[LoadRecord], card: Card, costs: Costs, lora: LoraSet | None = None) -> Plan:
+    """The fastest possible plan for ``records`` (one per model of the graph) on ``card``; ``BelowFloor`` when none
+    fits."""
+    ordered = _ordered(records)
+    found = _best(ordered, card, costs, lora)
+    if found is None:
+        raise _below_floor(ordered, card, costs, lora)
+    return found
+
+
+def _below_floor(records: list[LoadRecord], card: Card, costs: Costs, lora: LoraSet | None) -> BelowFloor:
+    """The least usable memory at which these records have a plan (found by halving between the card and 1 TiB)."""
+    low, high = max(card.usable, 0), 1 << 40
+    if _best(records, Card(high, card.pinnable), costs, lora) is None:
+        return BelowFloor(high, ())
+    while high - low > 2**24:
+        middle = (low + high) // 2
+        if _best(records, Card(middle, card.pinnable), costs, lora) is None:
+            low = middle
+        else:
+            high = middle
+    lowest = _best(records, Card(high, card.pinnable), costs, lora)
+    return BelowFloor(high, lowest.placements if lowest else ())

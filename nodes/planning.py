@@ -1,0 +1,287 @@
+"""The memory plan of the graph being run: its models read off the prompt, their records off the files' headers, the
+card off the core, the costs off the probe, then ``plan.planner``; registered in ``plan.session`` for every loader.
+
+The prompt is ComfyUI's API-format graph, which each loader gets as a hidden input: the plan counts every model the
+graph will use (a PE the graph runs later, a LoRA further down), not only those loaded so far. Only literal widget
+values are read; a linked value counts as the loader's default (``auto``). A model whose name does not resolve is
+left out: its loader says what is wrong when it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .accel.compile import compiles_by_default
+from .choices import DIT_MODELS, SNAPSHOT_MODELS, SNAPSHOTS
+from .dit.model import ErnieImageConfig
+from .dit.vae import decode_memory
+from .errors import ErnieImageError
+from .gguf.reader import read_gguf
+from .host.memory import torch_device
+from .host.plan import pinnable, placement_fixed, step_estimate, usable_for_models, working_floor
+from .host.probe import costs_here
+from .ministral_file import IGNORED, LM_HEADS
+from .model_files import read_folder_headers, read_header
+from .paths import model_file_path
+from .pe.locate import pe_path
+from .plan import session
+from .plan.describe import (
+    Tensor,
+    dit_record,
+    dominant_gguf_type,
+    gguf_tensor,
+    language_model_record,
+    lora_set,
+    safetensors_tensor,
+    vae_record,
+)
+from .plan.planner import GIB, BelowFloor, Card, Plan, plan
+from .plan.records import CPU, PER_PROMPT, PROMPT_ENHANCER, RESIDENT, TEXT_ENCODER, LoadRecord
+from .plan.session import AUTO
+from .quant.capability import FP8_MIN_ARCH, probe
+from .quant.saved import weight_files
+from .text.nodes import TEXT_ENCODER_MODELS
+
+# A compiled DiT block against an eager one: a Q4_K_M DiT's warm Turbo prompt took 1.2 s compiled, 2.2 s eager on
+# the H200 (README). The probe times eager layers (compiling takes longer than its budget); blocks core streams stay
+# eager.
+COMPILED = 1.2 / 2.2
+LATENT_1024 = (1, 128, 64, 64)
+DEFAULT_PE_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """The graph's models as its loaders name them, and the prompt's size: what a plan is made of."""
+
+    dit: tuple[Path, str, str] | None = None  # path, quantization, weight_dtype
+    text: tuple[Path, bool, str, str] | None = None  # path, a snapshot, device, weight_dtype
+    pe: tuple[Path, str, str] | None = None  # path, device, weight_dtype
+    vae: Path | None = None
+    loras: tuple[Path, ...] = ()
+    latent: tuple[int, ...] = LATENT_1024
+    steps: int = 8
+    forwards: int = 1  # per step: 2 where CFG runs cond and uncond
+    pe_tokens: int = DEFAULT_PE_TOKENS
+
+
+def _value(inputs: Mapping, name: str, default):
+    value = inputs.get(name, default)
+    return default if isinstance(value, list) else value  # a link: the loader's default
+
+
+def _resolved(model_list, name) -> tuple[str, Path] | None:
+    try:
+        model = model_list.resolve(name)
+    except (ErnieImageError, OSError, ValueError):
+        return None
+    return model.folder, model.path
+
+
+def _linked(prompt: Mapping, node: str, slot: int) -> bool:
+    return any(value == [node, slot] for other in prompt.values() if isinstance(other, Mapping)
+               for value in (other.get("inputs") or {}).values())
+
+
+def wanted(prompt: Mapping) -> Wanted:
+    """The models and sizes the API-format ``prompt`` asks for."""
+    found: dict = {"loras": []}
+    for node, entry in prompt.items():
+        if not isinstance(entry, Mapping):
+            continue
+        kind, inputs = entry.get("class_type"), entry.get("inputs") or {}
+        name = _value(inputs, "model_name", None)
+        if kind == "ErnieImageLoader" and (model := _resolved(SNAPSHOT_MODELS, name)):
+            snapshot = model[1]
+            found["dit"] = (snapshot, _value(inputs, "quantization", AUTO), _value(inputs, "weight_dtype", "default"))
+            found["text"] = (snapshot, True, _value(inputs, "text_encoder_device", AUTO),
+                             _value(inputs, "text_encoder_weight_dtype", AUTO))
+            found.setdefault("vae", snapshot / "vae" / "diffusion_pytorch_model.safetensors")
+            if _linked(prompt, node, 3) and (snapshot / "pe").is_dir():
+                found["pe"] = (snapshot / "pe", "default", _value(inputs, "pe_weight_dtype", AUTO))
+        elif kind == "ErnieImageDiTLoader" and (model := _resolved(DIT_MODELS, name)):
+            found["dit"] = (model[1], _value(inputs, "quantization", AUTO), _value(inputs, "weight_dtype", "default"))
+        elif kind == "ErnieImageTextEncoderLoader" and (model := _resolved(TEXT_ENCODER_MODELS, name)):
+            found["text"] = (model[1], model[0] == SNAPSHOTS.folder, _value(inputs, "device", AUTO),
+                             _value(inputs, "weight_dtype", AUTO))
+        elif kind == "ErnieImagePELoader" and isinstance(name, str):
+            try:
+                found["pe"] = (pe_path(name), _value(inputs, "device", AUTO), _value(inputs, "weight_dtype", AUTO))
+            except (ErnieImageError, OSError, ValueError):
+                pass
+        elif kind in ("ErnieImageVAELoader", "VAELoader") and isinstance(inputs.get("vae_name"), str):
+            found["vae"] = _file("vae", inputs["vae_name"].removeprefix("vae/"))
+        elif kind in ("ErnieImageLoraLoader", "LoraLoaderModelOnly", "LoraLoader"):
+            strength = _value(inputs, "strength_model", 1.0)
+            if isinstance(inputs.get("lora_name"), str) and strength != 0:
+                found["loras"].append(_file("loras", inputs["lora_name"]))
+        elif kind in ("EmptyFlux2LatentImage", "EmptySD3LatentImage", "EmptyLatentImage"):
+            width, height = _value(inputs, "width", 1024), _value(inputs, "height", 1024)
+            batch = _value(inputs, "batch_size", 1)
+            if all(isinstance(v, int) and v > 0 for v in (width, height, batch)):
+                found["latent"] = (batch, 128, max(height // 16, 1), max(width // 16, 1))
+        elif kind in ("ErnieImageScheduler", "BasicScheduler", "KSampler", "KSamplerAdvanced"):
+            steps = _value(inputs, "steps", 8)
+            if isinstance(steps, int) and steps > 0:
+                found["steps"] = steps
+        if kind in ("KSampler", "KSamplerAdvanced", "CFGGuider"):
+            cfg = _value(inputs, "cfg", 1.0)
+            found["forwards"] = 2 if isinstance(cfg, int | float) and cfg != 1.0 else 1
+        if kind == "ErnieImagePromptEnhance":
+            tokens = _value(inputs, "max_new_tokens", DEFAULT_PE_TOKENS)
+            found["pe_tokens"] = tokens if isinstance(tokens, int) and tokens > 0 else DEFAULT_PE_TOKENS
+    found["loras"] = tuple(p for p in found["loras"] if p is not None)
+    return Wanted(**found)
+
+
+def _file(folder: str, name: str) -> Path | None:
+    try:
+        path = model_file_path(folder, name)
+    except (ErnieImageError, OSError, ValueError):
+        return None
+    return path if path.is_file() else None
+
+
+def _stamp(path: Path) -> tuple:
+    try:
+        stat = path.stat()
+    except OSError:
+        return (str(path),)
+    return (str(path), stat.st_size, stat.st_mtime_ns)
+
+
+_TENSORS: dict[tuple, list[Tensor]] = {}
+
+
+def _tensors(path: Path, keep=lambda name: True) -> list[Tensor]:
+    """The tensors of a safetensors file, a folder of shards or a GGUF file, from their headers (kept per file)."""
+    key = _stamp(path)
+    if key not in _TENSORS:
+        if path.suffix.lower() == ".gguf":
+            found = [gguf_tensor(n, t.shape, t.kind, t.nbytes) for n, t in read_gguf(path).tensors.items()]
+        elif path.is_dir():
+            found = [safetensors_tensor(n, i.shape, i.dtype) for n, i in read_folder_headers(path)[0].items()]
+        else:
+            found = [safetensors_tensor(n, i.shape, i.dtype) for n, i in read_header(path).items()]
+        _TENSORS.clear() if len(_TENSORS) > 64 else None
+        _TENSORS[key] = found
+    return [t for t in _TENSORS[key] if keep(t.name)]
+
+
+def _language_model(name: str, lm_head: bool) -> bool:
+    return not name.startswith(IGNORED) and (lm_head or name not in LM_HEADS)
+
+
+def _places(device_choice: str, device: torch.device) -> tuple[str, ...] | None:
+    """The places an explicit device leaves (None: ``auto``, every place; ``()``: another GPU, not planned here)."""
+    if device_choice == AUTO:
+        return None
+    if device_choice == "cpu":
+        return (CPU,)
+    if device_choice == "default" or torch.device(device_choice) == device:
+        return (RESIDENT, PER_PROMPT, CPU)  # core loads it whole, or runs it on the CPU where it cannot
+    return ()
+
+
+def records(want: Wanted, device: torch.device) -> tuple[list[LoadRecord], object]:
+    """The load records of the graph's models (headers only) and its LoRA set."""
+    floor = working_floor()
+    found: list[LoadRecord] = []
+    compiles = compiles_by_default(device)
+    if want.dit is not None:
+        path, quantization, weight_dtype = want.dit
+        gguf = path.suffix.lower() == ".gguf"
+        tensors = _tensors(path) if gguf else [t for f in weight_files(path) if f.suffix == ".safetensors"
+                                               for t in _tensors(f)]
+        kinds: dict[str, int] = {}
+        for t in (read_gguf(path).tensors.values() if gguf else ()):
+            kinds[t.kind] = kinds.get(t.kind, 0) + t.nbytes
+        facts = probe(device)
+        fixed = None if quantization == AUTO or gguf else f"{quantization}/{weight_dtype}"
+        pixels = want.latent[0] * want.latent[-2] * want.latent[-1] / (LATENT_1024[-2] * LATENT_1024[-1])
+        working = max(floor, step_estimate(ErnieImageConfig, want.latent, torch.bfloat16))
+        found.append(dit_record(str(path), tensors, gguf_type=dominant_gguf_type(kinds) if gguf else None,
+                                fp8_matmul=facts.torchao and facts.arch is not None and facts.arch >= FP8_MIN_ARCH,
+                                runs=want.steps * want.forwards, working=working, fixed=fixed,
+                                compute_scale=pixels * (COMPILED if compiles else 1.0),
+                                eager_factor=1 / COMPILED if compiles else 1.0))
+    for role, entry, lm_head in ((TEXT_ENCODER, want.text, False), (PROMPT_ENHANCER, want.pe, True)):
+        if entry is None:
+            continue
+        path, device_choice, weight_dtype = (entry[0], *entry[2:]) if role == TEXT_ENCODER else entry
+        places = _places(device_choice, device)
+        if places == ():
+            continue  # on another GPU: not this card's
+        where = path / "text_encoder" if role == TEXT_ENCODER and entry[1] else path
+        tensors = _tensors(where, lambda n, head=lm_head: _language_model(n, head))
+        found.append(language_model_record(
+            role, str(path), tensors, runs=1 if role == TEXT_ENCODER else want.pe_tokens, working=floor,
+            fixed_form=None if weight_dtype == AUTO else weight_dtype, places=places,
+            streams=role == TEXT_ENCODER))
+    if want.vae is not None and want.vae.is_file():
+        found.append(vae_record(str(want.vae), _tensors(want.vae),
+                                max(floor, decode_memory(want.latent, torch.bfloat16) * want.latent[0])))
+    loras = [p for p in want.loras if p.is_file()]
+    lora = lora_set([p.name for p in loras], [t for p in loras for t in _tensors(p)]) if loras else None
+    return found, lora
+
+
+_made: dict[tuple, Plan] = {}
+
+
+def make_plan(prompt: Mapping) -> Plan | None:
+    """The plan of ``prompt``'s graph on this card (kept while its models and the card stay the same); None where
+    core's placement applies (its words are logged once)."""
+    device = torch_device()
+    fixed = placement_fixed(device)
+    if fixed is not None:
+        _say_once(f"ERNIE-Image: {fixed}: models are placed as ComfyUI places them (no memory plan)")
+        return None
+    costs = costs_here(device)
+    if costs is None:
+        return None
+    want = wanted(prompt)
+    usable = usable_for_models(device) - session.short()
+    key = (want, usable // 2**28, costs.key)
+    if key in _made:
+        return _made[key]
+    found, lora = records(want, device)
+    if not found:
+        return None
+    try:
+        made = plan(found, Card(usable, pinnable()), costs, lora)
+    except BelowFloor as below:
+        raise ErnieImageError(below_floor_words(below, usable, found)) from below
+    logging.info("ERNIE-Image: %s", made.line())
+    _made.clear()
+    _made[key] = made
+    return made
+
+
+_said: set[str] = set()
+
+
+def _say_once(words: str) -> None:
+    if words not in _said:
+        _said.add(words)
+        logging.info(words)
+
+
+def below_floor_words(below: BelowFloor, usable: int, found: list[LoadRecord]) -> str:
+    """Below the floor: the smallest card these files can serve, and what to download to go lower."""
+    dit = next((r for r in found if r.role == "DiT"), None)
+    gguf = dit is not None and any(f.name.startswith("GGUF") for f in dit.forms)
+    lower = ("a smaller GGUF of the DiT (Q3_K_M or Q2_K) in models/diffusion_models" if gguf else
+             "a GGUF of the DiT (the community's Q4_K_M, 5.2 GB) in models/diffusion_models, with the "
+             "ernie_image_turbo_gguf workflow")
+    return (f"These models need at least {below.needed / GIB:.1f} GiB of GPU memory for ComfyUI's models (with every "
+            f"part that can stream streamed); this GPU has {usable / GIB:.1f} GiB usable now. Close programs that use "
+            f"the GPU, or download {lower}.")
+
+
+session.register(make_plan)

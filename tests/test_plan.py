@@ -1,0 +1,173 @@
+"""The memory planner on the CPU: ERNIE-Image's models at their true sizes (records from their tensors' shapes, no
+file), every usable size from 4 to 48 GiB in 0.25 GiB steps, with and without a LoRA and the PE."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from helpers.plan_records import FLOOR, GIB, costs, graph, lm_tensors
+
+from comfyui_ernie_image.nodes.plan.describe import Tensor, language_model_record
+from comfyui_ernie_image.nodes.plan.planner import BelowFloor, Card, plan
+from comfyui_ernie_image.nodes.plan.records import (
+    CPU,
+    DIT,
+    PARTIAL,
+    PER_PROMPT,
+    RESIDENT,
+    STREAMED,
+    TEXT_ENCODER,
+    Form,
+)
+
+SIZES = [4 + 0.25 * i for i in range(int((48 - 4) / 0.25) + 1)]
+GRAPHS = [dict(gguf=gguf, lora=lora, pe=pe) for gguf in (True, False) for lora in (False, True) for pe in (False, True)]
+PINNABLE = 16 * GIB
+
+
+def _sweep(**kinds):
+    records, lora = graph(**kinds)
+    plans = []
+    for size in SIZES:
+        try:
+            plans.append((size, plan(records, Card(int(size * GIB), PINNABLE), costs(), lora)))
+        except BelowFloor:
+            plans.append((size, None))
+    return records, lora, plans
+
+
+@pytest.mark.parametrize("kinds", GRAPHS, ids=lambda k: "-".join(n for n, on in k.items() if on) or "turbo")
+def test_more_memory_never_predicts_a_slower_prompt_and_no_plan_exceeds_the_card(kinds):
+    records, lora, plans = _sweep(**kinds)
+    made = [(size, p) for size, p in plans if p is not None]
+    assert made and made[-1][0] == 48  # every graph has a plan on the larger cards
+    assert [p is None for _, p in plans] == sorted((p is None for _, p in plans), reverse=True)  # the floor, then plans
+    for (_, smaller), (size, larger) in zip(made, made[1:], strict=False):
+        assert larger.warm <= smaller.warm + 1e-9, (size, smaller.line(), larger.line())
+    for size, p in made:
+        assert p.peak <= size * GIB, (size, p.line())
+
+
+@pytest.mark.parametrize("kinds", GRAPHS, ids=lambda k: "-".join(n for n, on in k.items() if on) or "turbo")
+def test_where_every_model_fits_at_once_every_model_stays_resident(kinds):
+    records, lora, plans = _sweep(**kinds)
+    smallest = sum(min(f.weight_bytes for f in r.forms) for r in records) + (lora.patch_bytes if lora else 0)
+    room = smallest + max(r.working_bytes for r in records)
+    fitting = [(size, p) for size, p in plans if size * GIB >= room]
+    assert fitting, "the sweep reaches sizes where everything fits"
+    for size, p in fitting:
+        assert {pl.place for pl in p.placements} == {RESIDENT}, (size, p.line())
+        assert p.copied == 0
+
+
+def _recipe(records, lora, size, forms: dict, places: dict):
+    """The plan with each model's form and place as a measured recipe set them."""
+    fixed = []
+    for record in records:
+        form = forms.get(record.role)
+        fixed.append(dataclasses.replace(record, fixed_form=form if form else record.fixed_form,
+                                         places=places.get(record.role, record.places)))
+    return plan(fixed, Card(int(size * GIB), PINNABLE), costs(), lora)
+
+
+# The recipes measured on the H200 (README's table): usable memory of an 8/12/16/24 GB card (less a CUDA context and
+# core's reserve) and what each held.
+RECIPES = [
+    (7.1, dict(gguf=True), {TEXT_ENCODER: "default"}, {DIT: (RESIDENT,), TEXT_ENCODER: (CPU,)}),
+    (11.1, dict(gguf=True), {TEXT_ENCODER: "fp8_e4m3fn"}, {DIT: (RESIDENT,), TEXT_ENCODER: (RESIDENT,)}),
+    (15.1, dict(gguf=False), {DIT: "fp8_per_row/default", TEXT_ENCODER: "fp8_e4m3fn"},
+     {DIT: (RESIDENT,), TEXT_ENCODER: (RESIDENT,)}),
+    (23.1, dict(gguf=False), {DIT: "fp8_per_row/default", TEXT_ENCODER: "fp8_e4m3fn"},
+     {DIT: (RESIDENT,), TEXT_ENCODER: (RESIDENT,)}),
+]
+
+
+@pytest.mark.parametrize(("usable", "kinds", "forms", "places"), RECIPES, ids=["8GB", "12GB", "16GB", "24GB"])
+def test_at_the_recipes_sizes_the_plan_is_the_recipe_or_predicted_faster(usable, kinds, forms, places):
+    records, lora = graph(**kinds)
+    recipe = _recipe(records, lora, usable, forms, places)
+    chosen = plan(records, Card(int(usable * GIB), PINNABLE), costs(), lora)
+    assert chosen.warm <= recipe.warm
+    same = all((chosen.of(r).form.setting, chosen.of(r).place) == (recipe.of(r).form.setting, recipe.of(r).place)
+               for r in (DIT, TEXT_ENCODER))
+    assert same or chosen.warm < recipe.warm, (chosen.line(), recipe.line())
+
+
+def test_the_8gb_recipe_is_beaten_by_streaming_the_text_encoder():
+    """On 8 GB the recipe ran the text encoder on the CPU (0.3-5 s an encode); streamed through the GPU it costs
+    its bytes at the pinned bandwidth instead, and the DiT stays resident."""
+    records, lora = graph(gguf=True)
+    chosen = plan(records, Card(int(7.1 * GIB), PINNABLE), costs(), lora)
+    assert chosen.of(TEXT_ENCODER).place == STREAMED and chosen.of(TEXT_ENCODER).form.setting == "fp8_e4m3fn"
+    assert chosen.of(DIT).place == RESIDENT
+    assert "text encoder fp8 streamed" in chosen.line() and "predicted warm" in chosen.line()
+
+
+def test_explicit_values_are_kept_and_planned_around():
+    """A saved workflow's explicit text encoder settings (fp8, ComfyUI's device: loaded whole or on the CPU) are
+    kept; the plan places the rest around them."""
+    records, lora = graph(gguf=True, te_fixed=("fp8_e4m3fn", (RESIDENT, PER_PROMPT, CPU)))
+    for usable in (7.1, 9.1, 11.1):
+        chosen = plan(records, Card(int(usable * GIB), PINNABLE), costs(), lora)
+        te = chosen.of(TEXT_ENCODER)
+        assert te.form.setting == "fp8_e4m3fn" and te.place in (RESIDENT, PER_PROMPT, CPU)
+
+
+def test_a_form_added_later_needs_no_change_to_the_planner():
+    """A synthetic 2.2 GB text encoder form (a GGUF file, from the issue on GGUF files) is one more ``Form``: at 10
+    GiB the plan keeps it resident beside the DiT, where fp8 (3.7 GB) had to stream."""
+    records, lora = graph(gguf=True)
+    te = next(r for r in records if r.role == TEXT_ENCODER)
+    small = Form("GGUF Q4_K", "gguf", "text:gguf:Q4_K", int(2.2e9), int(2.2e9 / 26))
+    with_gguf = [dataclasses.replace(r, forms=(*r.forms, small)) if r is te else r for r in records]
+    costs_gguf = costs()
+    costs_gguf = dataclasses.replace(costs_gguf, seconds={**costs_gguf.seconds, "text:gguf:Q4_K": 0.06})
+    before = plan(records, Card(int(8.6 * GIB), PINNABLE), costs_gguf, lora)
+    after = plan(with_gguf, Card(int(8.6 * GIB), PINNABLE), costs_gguf, lora)
+    assert before.of(TEXT_ENCODER).place != RESIDENT
+    assert after.of(TEXT_ENCODER).form is small and after.of(TEXT_ENCODER).place == RESIDENT
+    assert after.warm < before.warm
+
+
+def test_below_the_floor_the_least_memory_that_serves_these_files_is_named():
+    records, lora = graph(gguf=True)
+    with pytest.raises(BelowFloor) as below:
+        plan(records, Card(int(1.0 * GIB), PINNABLE), costs(), lora)
+    needed = below.value.needed
+    assert 1.0 * GIB < needed < 4 * GIB
+    assert plan(records, Card(needed, PINNABLE), costs(), lora).peak <= needed
+    with pytest.raises(BelowFloor):
+        plan(records, Card(needed - 2**25, PINNABLE), costs(), lora)
+
+
+def test_a_lora_is_counted_with_a_resident_dit():
+    records, lora = graph(gguf=True, lora=True)
+    chosen = plan(records, Card(int(11.1 * GIB), PINNABLE), costs(), lora)
+    dit = chosen.of(DIT)
+    assert dit.place == RESIDENT and dit.gpu_bytes == dit.form.weight_bytes + lora.patch_bytes
+    assert "1 LoRA" in chosen.line()
+
+
+def test_without_pinnable_memory_streaming_is_priced_at_the_pageable_bandwidth():
+    records, lora = graph(gguf=True)
+    pinned = plan(records, Card(int(7.1 * GIB), PINNABLE), costs(), lora)
+    pageable = plan(records, Card(int(7.1 * GIB), 0), costs(), lora)
+    assert pageable.warm > pinned.warm
+
+
+def test_a_partial_dit_keeps_what_fits_and_streams_the_rest_each_step():
+    records, lora = graph(gguf=False, pe=False)
+    chosen = plan(records, Card(int(6.1 * GIB), PINNABLE), costs(), lora)
+    dit = chosen.of(DIT)
+    assert dit.place == PARTIAL and 0 < dit.gpu_bytes < dit.form.weight_bytes
+    assert dit.copied == 8 * (dit.form.weight_bytes - dit.gpu_bytes)
+
+
+def test_records_count_the_language_models_bytes_from_their_shapes():
+    te = language_model_record(TEXT_ENCODER, "te", lm_tensors(), runs=1, working=FLOOR)
+    bf16, fp8 = te.forms
+    assert 6.4e9 < bf16.weight_bytes < 7.0e9  # the text encoder's language model: 3.4 B values in bf16
+    assert 3.6e9 < fp8.weight_bytes < 4.2e9  # its decoder linears in one byte, the 0.8 GB embedding as stored
+    assert fp8.block_bytes * 26 < fp8.weight_bytes and fp8.block_bytes > 0
+    assert Tensor("layers.0.x.weight", (4, 4)).fp8 == 16 + 4 * 4
