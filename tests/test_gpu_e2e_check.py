@@ -246,10 +246,11 @@ def test_the_sweep_table_from_recorded_rows(tmp_path):
     assert lines[6].split(" | ")[4] == "1.40"
 
     first, again = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    first.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stopped = dict(mode="card12", card_gib=12.0, workflow="(process)", run="end", ok=False, error="timed out")
+    first.write_text("".join(json.dumps(r) + "\n" for r in [*rows, stopped]))
     again.write_text("".join(json.dumps(r) + "\n" for r in _runs("card12", 12.0, gguf, [1.2], plans=[PLAN_LINE])))
     merged = subprocess.run([sys.executable, "-m", "checks.gpu.e2e_sweep", str(first), str(again)], cwd=REPO,
                             capture_output=True, text=True, check=True).stdout.splitlines()
-    assert merged[:5] == lines[:5] and merged[6:] == lines[6:]
+    assert merged[:5] == lines[:5] and merged[6:] == lines[6:]  # card12's stopped process is gone with its rows
     assert merged[5].split(" | ")[:6] == ["| 12 (10.9 usable)", gguf, lines[4].split(" | ")[2], "2.00", "1.20",
                                           "**0.60**"]

@@ -125,11 +125,14 @@ def sweep_table(rows: list[dict]) -> str:
 
 
 def merged(runs_by_file: list[list[dict]]) -> list[dict]:
-    """The rows of several runs of the check, a mode and workflow run again in a later file replacing the earlier."""
+    """The rows of several runs of the check, a mode and workflow run again in a later file replacing the earlier
+    rows, and the earlier rows of that mode that name no workflow ("(mode)" not started, "(process)" stopped)."""
     rows: dict[tuple[str, str], list[dict]] = {}
     for runs in runs_by_file:
         again = {(r["mode"], r["workflow"]) for r in runs}
-        rows = {key: group for key, group in rows.items() if key not in again}
+        modes = {mode for mode, _ in again}
+        rows = {key: group for key, group in rows.items()
+                if key not in again and not (key[0] in modes and key[1] in ("(mode)", "(process)"))}
         for r in runs:
             rows.setdefault((r["mode"], r["workflow"]), []).append(r)
     return [r for group in rows.values() for r in group]
@@ -138,7 +141,8 @@ def merged(runs_by_file: list[list[dict]]) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description="One sweep table from the rows of one or more runs of gpu_e2e.py")
     parser.add_argument("jsonl", type=Path, nargs="+", help="e2e.jsonl files (gpu_e2e.py's --out), oldest first: "
-                        "a card and workflow run again in a later file replaces the earlier rows")
+                        "a card and workflow run again in a later file replaces the earlier rows (and the card's "
+                        "earlier 'not started' or 'process stopped' rows)")
     args = parser.parse_args()
     print(sweep_table(merged([[json.loads(line) for line in path.read_text().splitlines() if line.strip()]
                               for path in args.jsonl])))
