@@ -45,6 +45,10 @@ def test_the_check_runs_the_workflows_through_comfyuis_executor(tmp_path):
     assert "general.architecture 'wan'" in notes and "held as GGUF blocks (52 Q4_K, 1 Q5_K, 20 Q6_K)" in notes
     assert "applied 70 of its 70 diffusion-model layers" in notes
     assert "| - | ernie_image_turbo_native | not run: needs ComfyUI >= 0.19" in "\n".join(table)
+    # The sweep table is written for every run, and prints without a plan (today's pack logs none).
+    sweep = (out / "sweep.md").read_text().splitlines()
+    turbo = next(line for line in sweep if line.startswith("| default (whole GPU) | ernie_image_turbo | ")).split(" | ")
+    assert turbo[2:4] == ["no plan", "no plan"] and turbo[-1] == "ok |" and float(turbo[4]) > 0
 
 
 def test_fresh_process_runs_each_workflow_in_a_process_of_its_own(tmp_path):
@@ -115,3 +119,138 @@ def test_live_at_peak_reads_torchs_memory_history_format():
                             dict(where="ldm/model.py:10 decode < comfy/sd.py:9 decode", mib=10.0, blocks=1)]
     assert peak["refusals"] == 1 and peak["refused_mib"] == [512]
     assert peak["peak_reserved_gib"] == round(64 * mib / 2**30, 3)
+
+
+PLAN_LINE = ("ERNIE-Image: plan for 10.9 GiB usable: DiT GGUF Q4_K resident (5.0 GiB), text encoder fp8 streamed "
+             "(3.7 GB per prompt), VAE resident; predicted warm 2.0 s")
+
+
+def test_cards_of_any_size_become_emulated_card_modes():
+    """``--cards 6.5,10,11.2``: each size an emulated card (the card modes' flags), run after ``--modes``' modes (a
+    size named twice runs once), five warm prompts unless told; ``card<N>`` names keep working, on the fork too."""
+    from checks.gpu.gpu_e2e import mode_settings, parse_args
+
+    args = parse_args(["--modes", "default,card10", "--cards", "6.5,10,11.2"])
+    assert args.modes == ["default", "card10", "card6.5", "card11.2"] and args.warm_runs == 5
+    assert [mode_settings(mode) for mode in args.modes] == [
+        ("", None), ("--disable-cuda-malloc", 10.0), ("--disable-cuda-malloc", 6.5), ("--disable-cuda-malloc", 11.2)]
+    assert parse_args(["--cards", "8", "--warm-runs", "3"]).modes == ["card8"]
+    assert parse_args(["--cards", "8", "--warm-runs", "3"]).warm_runs == 3
+    assert (parse_args([]).modes, parse_args([]).warm_runs) == (["default"], 1)
+    assert [mode_settings(mode) for mode in parse_args(["--modes", "card24,card4"]).modes] == [
+        ("--disable-cuda-malloc", 24.0), ("--disable-cuda-malloc", 4.0)]
+    fork = parse_args(["--cards", "8,12", "--core", "fork", "--comfyui", str(REPO)])
+    assert (fork.core, fork.modes) == ("fork", ["card8", "card12"])
+
+
+def test_cards_that_cannot_be_emulated_are_refused_before_anything_runs(capsys):
+    """A size that is no number, not finite, or not above a CUDA context's 0.5 GiB, and an unknown mode, stop the
+    check at its arguments, naming what was given."""
+    import pytest
+
+    from checks.gpu.gpu_e2e import parse_args
+
+    for cards in ("0.5", "-2", "nan", "inf", "6.5,,10", "ten"):
+        with pytest.raises(SystemExit) as stopped:
+            parse_args(["--cards", cards])
+        error = capsys.readouterr().err
+        assert stopped.value.code == 2 and "--cards takes card sizes in GiB, comma-separated" in error, error
+        assert f"got {cards!r}" in error
+    for mode, words in (("card0.4", "a card must be larger than the 0.5 GiB a CUDA context takes, got 0.4"),
+                        ("cardX", "unknown mode 'cardX': one of default")):
+        with pytest.raises(SystemExit):
+            parse_args(["--modes", mode])
+        assert f"--modes: {words}" in capsys.readouterr().err
+
+
+def test_the_plan_line_is_read_for_its_plan_and_predicted_warm_time():
+    from checks.gpu.e2e_sweep import parse_plan
+
+    plan = dict(usable_gib=10.9, predicted_s=2.0, plan="DiT GGUF Q4_K resident (5.0 GiB), text encoder fp8 streamed "
+                "(3.7 GB per prompt), VAE resident")
+    assert parse_plan(PLAN_LINE) == plan
+    assert parse_plan("INFO: " + PLAN_LINE) == plan  # as the check's notes hold it
+    assert parse_plan(PLAN_LINE.replace("VAE resident;", "VAE resident; LoRA merged;"))["plan"].endswith(
+        "VAE resident; LoRA merged")  # the plan's own semicolons stay in it
+    assert parse_plan("ERNIE-Image: prompt took 2.1 s (predicted warm 2.0 s)") is None
+    assert parse_plan(PLAN_LINE.replace("2.0 s", "? s")) is None
+
+
+def test_the_worker_keeps_the_packs_plan_lines_and_counts_out_of_memory_retry_and_fallback():
+    """What a run's row gets from the log (core's lines and the pack's, through logging as in the worker): each plan
+    line whole, and how many lines spoke of out-of-memory, a retry or a fallback."""
+    import logging
+
+    from checks.gpu.e2e_worker import LogNotes
+
+    notes, root = LogNotes(), logging.getLogger()
+    pack = logging.getLogger("comfyui_ernie_image.nodes.test_plan")
+    pack.setLevel(logging.DEBUG)
+    root.addHandler(notes)
+    try:
+        pack.info("ERNIE-Image: plan for %.1f GiB usable: %s; predicted warm %.1f s", 10.9,
+                  PLAN_LINE.split("usable: ")[1].split(";")[0], 2.0)
+        pack.info("ERNIE-Image: prompt took 2.1 s (predicted warm 2.0 s)")
+        pack.info("Requested to load ErnieImageModel")
+        pack.warning("Warning: Ran out of memory when regular VAE decoding, retrying with tiled VAE decoding.")
+        pack.error("!!! Exception during processing !!! CUDA out of memory. Tried to allocate 2.00 GiB\nTraceback")
+        pack.info("ERNIE-Image: the text encoder falls back to the CPU")
+        pack.info("ERNIE-Image: plan for 10.9 GiB usable: DiT GGUF Q4_K streamed; predicted warm 3.0 s")
+    finally:
+        root.removeHandler(notes)
+    assert notes.plans == [PLAN_LINE, "ERNIE-Image: plan for 10.9 GiB usable: DiT GGUF Q4_K streamed; predicted warm "
+                           "3.0 s"]
+    assert notes.trouble == 3
+
+
+def _runs(mode, card, workflow, warm, **first):
+    """Rows as the worker records them (``e2e.jsonl``) for a first prompt and warm prompts ``warm``."""
+    base = dict(mode=mode, card_gib=card, workflow=workflow, ok=True, oom_retry_fallback=0, plans=[],
+                peak_allocated_gib=9.1, peak_reserved_gib=9.6, peak_rss_gib=11.7, peak_rss_anon_gib=5.6,
+                peak_rss_file_gib=6.2)
+    labels = ["warm", *(f"warm {n}" for n in range(2, len(warm) + 1))][:len(warm)]
+    return [{**base, "run": "first", "seconds": 20.4, **first},
+            *({**base, "run": label, "seconds": s} for label, s in zip(labels, warm, strict=True))]
+
+
+def test_the_sweep_table_from_recorded_rows(tmp_path):
+    """One line per card and workflow, by card size: the last plan logged and its predicted warm time next to the
+    measured median and spread (a ratio outside ±30 % in bold), "no plan" where none was logged, the bytes copied
+    host <-> GPU in the profiled prompt, peaks, host RAM, the out-of-memory / retry / fallback lines, and a failure;
+    several runs' rows make one table, a card run again replacing the earlier rows."""
+    from checks.gpu.e2e_sweep import sweep_table
+
+    gguf = "ernie_image_turbo_gguf"
+    card10 = _runs("card10", 10.0, gguf, [2.0, 2.4, 2.1, 1.9, 2.2], plans=["INFO: " + PLAN_LINE])
+    card10[2]["oom_retry_fallback"] = 1
+    card10.append({**card10[1], "run": "copies", "seconds": 9.0,
+                   "copied_bytes": {"HtoD": 4_700_000_000, "DtoH": 10_000_000, "DtoD": 5_000_000_000}})
+    card8 = _runs("card8", 8.0, gguf, [2.0, 2.0], plans=[PLAN_LINE.replace("2.0 s", "1.0 s")])
+    card9 = _runs("card9", 9.0, gguf, [])
+    card9[0].update(ok=False, error="VAEDecode: OutOfMemoryError: CUDA out of memory |\n Tried to allocate 2 GiB")
+    rows = [*_runs("card12", 12.0, gguf, [1.6, 1.5, 1.7]), *card10, *card8, *card9,
+            *_runs("default", None, "ernie_image_turbo", [1.4])]
+    lines = sweep_table(rows).splitlines()
+    assert len(lines) == 2 + 5 and all(line.count(" | ") == 11 for line in lines[:1] + lines[2:])
+    assert [line.split(" | ")[0] for line in lines[2:]] == [
+        "| 8 (10.9 usable)", "| 9", "| 10 (10.9 usable)", "| 12", "| default (whole GPU)"]
+    assert lines[4] == (
+        "| 10 (10.9 usable) | ernie_image_turbo_gguf | DiT GGUF Q4_K resident (5.0 GiB), text encoder fp8 streamed "
+        "(3.7 GB per prompt), VAE resident | 2.00 | 2.10 (1.90–2.40, 5 prompts) | 1.05 | 20.4 | 4,710 MB (HtoD "
+        "4,700 MB, DtoH 10 MB) | 9.1 / 9.6 | 11.7 (anon 5.6, file 6.2) | 1 | ok |")
+    assert lines[2].split(" | ")[3:6] == ["1.00", "2.00 (2.00–2.00, 2 prompts)", "**2.00**"]
+    assert lines[3].split(" | ")[4:] == ["-", "-", "20.4", "-", "9.1 / 9.6", "11.7 (anon 5.6, file 6.2)", "0",
+                                         "**first: VAEDecode: OutOfMemoryError: CUDA out of memory / Tried to "
+                                         "allocate 2 GiB** |"]
+    assert lines[5].split(" | ")[1:6] == [gguf, "no plan", "no plan", "1.60 (1.50–1.70, 3 prompts)", "-"]
+    assert lines[6].split(" | ")[4] == "1.40"
+
+    first, again = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    stopped = dict(mode="card12", card_gib=12.0, workflow="(process)", run="end", ok=False, error="timed out")
+    first.write_text("".join(json.dumps(r) + "\n" for r in [*rows, stopped]))
+    again.write_text("".join(json.dumps(r) + "\n" for r in _runs("card12", 12.0, gguf, [1.2], plans=[PLAN_LINE])))
+    merged = subprocess.run([sys.executable, "-m", "checks.gpu.e2e_sweep", str(first), str(again)], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    assert merged[:5] == lines[:5] and merged[6:] == lines[6:]  # card12's stopped process is gone with its rows
+    assert merged[5].split(" | ")[:6] == ["| 12 (10.9 usable)", gguf, lines[4].split(" | ")[2], "2.00", "1.20",
+                                          "**0.60**"]

@@ -49,6 +49,10 @@ GIB = 2**30
 CUDA_CONTEXT_GIB = 0.5  # what a CUDA context takes of a real card, outside torch's allocator
 NOTEWORTHY = re.compile(r"out of memory|retry|tiled|fall(s|ing)? back|fell back|loaded partially|recompile|"
                         r"compil(e|ing) the DiT|ERNIE-Image", re.IGNORECASE)
+# What issue 43's memory goal allows none of in a run's log (core's lines and the pack's): out-of-memory (CUDA's
+# words, core's "Ran out of memory when regular VAE decoding, retrying with tiled"), retries and fallbacks.
+TROUBLE = re.compile(r"out[ -]?of[ -]?memory|\boom\b|retry|retries|fall(s|ing)? ?back|fell back", re.IGNORECASE)
+PLAN_LINE = "ERNIE-Image: plan for "  # the pack's one line per plan; e2e_sweep.parse_plan reads it
 # The model loads and unloads cores log, cut to what names them (0.3.75 logs them at INFO, the fork's patcher the
 # "loaded ..." lines at DEBUG and dynamic VRAM's staging at INFO; the fork has no "Requested to load").
 LOADS = re.compile(r"^(Requested to load \S+|loaded completely|loaded partially|Model \S+ prepared for dynamic VRAM "
@@ -107,27 +111,39 @@ def _importable(name: str) -> bool:
 
 
 class LogNotes(logging.Handler):
-    """The warnings, OOM retries and fallbacks ComfyUI and the pack log during a run."""
+    """The warnings, OOM retries and fallbacks ComfyUI and the pack log during a run; the pack's plan lines whole,
+    and how many lines spoke of out-of-memory, a retry or a fallback."""
 
     def __init__(self):
         super().__init__(logging.DEBUG)
         self.lines: list[str] = []
         self.loads: Counter = Counter()
+        self.plans: list[str] = []
+        self.trouble = 0
 
     def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage().splitlines()[0][:300] if record.getMessage() else ""
+        text = record.getMessage()
+        first = text.splitlines()[0] if text else ""
+        message = first[:300]
         load = LOADS.match(message)
         if load:
             self.loads[load.group(1)] += 1
         if record.levelno >= logging.WARNING or NOTEWORTHY.search(message):
             self.lines.append(f"{record.levelname}: {message}")
+        if PLAN_LINE in first:
+            self.plans.append(first[:2000])
+        self.trouble += bool(TROUBLE.search(text))
 
 
 def emulate_card(torch, card_gib: float) -> None:
     """This process sees a card of ``card_gib``: the device-wide free memory (the other modes' processes included)
     is replaced by the card less the context and this process's own reservations."""
     card, context = card_gib * GIB, CUDA_CONTEXT_GIB * GIB
-    torch.cuda.set_per_process_memory_fraction((card - context) / torch.cuda.get_device_properties(0).total_memory)
+    total = torch.cuda.get_device_properties(0).total_memory
+    if not context < card <= total:
+        raise SystemExit(f"cannot emulate a {card_gib:g} GiB card on this GPU of {total / GIB:.1f} GiB: a card "
+                         f"takes more than the {CUDA_CONTEXT_GIB} GiB of a CUDA context and at most the GPU")
+    torch.cuda.set_per_process_memory_fraction((card - context) / total)
 
     def mem_get_info(device=None) -> tuple[int, int]:
         return max(int(card - context) - torch.cuda.memory_reserved(device), 0), int(card)
@@ -467,6 +483,7 @@ def run_prompt(execution, executor, graph: dict, nvml: NvmlPeak | None = None) -
         seconds = time.perf_counter() - start
         failure = next((data for kind, data in executor.status_messages if kind == "execution_error"), None)
         row = dict(ok=executor.success and failure is None, seconds=round(seconds, 2), notes=notes.lines,
+                   plans=notes.plans, oom_retry_fallback=notes.trouble,
                    nodes_s=node_seconds(executor.server.started, start + seconds, graph),
                    peak_rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1))  # KiB
         if failure is not None:

@@ -9,6 +9,7 @@
     python checks/gpu/gpu_e2e.py --warm-runs 3 --pack ../old   # median of 3 warm runs; another checkout's pack
     python checks/gpu/gpu_e2e.py --modes card16 --fresh-process --copies  # per recipe: its own process, bytes moved
     python checks/gpu/gpu_e2e.py --modes card16 --fresh-process --cold-disk  # each process after a cold disk
+    python checks/gpu/gpu_e2e.py --cards 6.5,10,11.2 --copies --workflows ernie_image_turbo_gguf  # the sweep table
 
 Writes true-size random-weight models in the real layouts once (``e2e_models.py``; about 42 GB under ``--work``),
 then runs one ComfyUI process per mode (``e2e_worker.py``), each running the API twins of ``tests/workflows/`` that
@@ -23,6 +24,12 @@ warnings, OOM retries and fallbacks ComfyUI logged) and writes it with every run
 dynamic VRAM was on and which patcher class held each model, the peak device memory NVML saw next to torch's
 peaks, and the model loads the core logged (a warm run that loads again shows there).
 
+``--cards 6.5,10,11.2`` emulates cards of any size (GiB), as the ``card<GiB>`` modes (``--modes card10.5``) do, each
+in turn with five warm prompts unless ``--warm-runs`` says otherwise, and prints the sweep table (``e2e_sweep.py``,
+also written to ``sweep.md``): per card size and workflow, the pack's logged plan and its predicted warm prompt next to
+the measured median and spread, the first run, the bytes copied host <-> GPU in one warm prompt (``--copies``), the
+peaks and host RAM, and how many lines about out-of-memory, retries or fallbacks were logged.
+
 ``--parallel N`` runs N modes at once, to fit the whole matrix into a lease: each mode still has its own process,
 memory limit and result (an emulated card counts this process's memory alone), but its times then include the other
 modes' use of the GPU, the bus, the CPUs and the disk.
@@ -32,13 +39,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import statistics
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+try:  # as checks.gpu.gpu_e2e (the tests), or as a script and a sibling module (checks/gpu first on sys.path)
+    from .e2e_sweep import gpu_peak, host_ram, sweep_table
+    from .e2e_worker import CUDA_CONTEXT_GIB
+except ImportError:
+    from e2e_sweep import gpu_peak, host_ram, sweep_table
+    from e2e_worker import CUDA_CONTEXT_GIB
 
 REPO = Path(__file__).resolve().parents[2]
 # Turbo first (run again after /free), the PE before the FP8 workflow: the order a user might meet them in.
@@ -74,19 +90,50 @@ NOT_RUN = {"ernie_image_turbo_native": "needs ComfyUI >= 0.19 (native ERNIE load
            "ernie_image_pe_remote": "needs an OpenAI-compatible server; CPU tests run it against transformers serve"}
 CORES = {"0.3.75": "0.3.75", "fork": "the 0.12.1 fork"}
 FORK_DIRS = (REPO / ".gpu-fork" / "src", Path(os.environ.get("ERNIE_NEWCORE_WORK", "/tmp/newcore")) / "src")
-# name: (ComfyUI flags, emulated card GiB). An emulated card uses torch's own allocator: its memory fraction is a hard
-# limit there, as a real card's size is (ComfyUI's default, cudaMallocAsync, is kept in every other mode). On the fork
-# with dynamic VRAM, comfy-aimdo maps the weights it streams outside torch's allocator: the NVML and aimdo columns
-# say whether the card still bounds them.
+# name: ComfyUI flags, on the whole GPU.
 MODES = {
-    "default": ("", None), "lowvram": ("--lowvram", None), "novram": ("--novram", None),
-    "card24": ("--disable-cuda-malloc", 24.0), "card16": ("--disable-cuda-malloc", 16.0),
-    "card12": ("--disable-cuda-malloc", 12.0), "card8": ("--disable-cuda-malloc", 8.0),
-    "card6": ("--disable-cuda-malloc", 6.0), "card4": ("--disable-cuda-malloc", 4.0),  # below the recipes: the floor
-    "gpu-only": ("--gpu-only", None), "highvram": ("--highvram", None),
-    "fp16-unet": ("--fp16-unet", None), "fp8-unet": ("--fp8_e4m3fn-unet", None), "bf16-unet": ("--bf16-unet", None),
+    "default": "", "lowvram": "--lowvram", "novram": "--novram", "gpu-only": "--gpu-only", "highvram": "--highvram",
+    "fp16-unet": "--fp16-unet", "fp8-unet": "--fp8_e4m3fn-unet", "bf16-unet": "--bf16-unet",
 }
+# ``card<GiB>`` modes (card24 … card8 the recipes' sizes, card6 and card4 below them, card10.5 any other) emulate a
+# card of that size. They use torch's own allocator: its memory fraction is a hard limit there, as a real card's size
+# is (ComfyUI's default, cudaMallocAsync, is kept in every other mode). On the fork with dynamic VRAM, comfy-aimdo maps
+# the weights it streams outside torch's allocator: the NVML and aimdo columns say whether the card still bounds them.
+CARD_MODE = re.compile(r"card(\d+(?:\.\d+)?)")
+CARD_FLAGS = "--disable-cuda-malloc"
+SWEEP_WARM_RUNS = 5  # issue 43: warm = the median of 5 new prompts, their spread printed
 TIERS = {"quick": ["default"], "full": ["default", "lowvram", "novram", "card24", "card16"]}
+
+
+def _card_gib(size: float) -> float:
+    """``size`` if a card of that many GiB can be emulated (more than a CUDA context), else ValueError."""
+    if not math.isfinite(size) or size <= CUDA_CONTEXT_GIB:
+        raise ValueError(f"a card must be larger than the {CUDA_CONTEXT_GIB} GiB a CUDA context takes, got {size:g}")
+    return size
+
+
+def mode_settings(mode: str) -> tuple[str, float | None]:
+    """A mode's ComfyUI flags and the card GiB it emulates (None: the whole GPU); ValueError for an unknown mode."""
+    if mode in MODES:
+        return MODES[mode], None
+    card = CARD_MODE.fullmatch(mode)
+    if card is None:
+        raise ValueError(f"unknown mode {mode[:40]!r}: one of {', '.join(MODES)}, or card<GiB> (card8, card10.5)")
+    return CARD_FLAGS, _card_gib(float(card[1]))
+
+
+def card_mode(size: float) -> str:
+    """The mode that emulates a card of ``size`` GiB: card8, card10.5 (at most three decimals)."""
+    return "card" + f"{size:.3f}".rstrip("0").rstrip(".")
+
+
+def card_sizes(text: str) -> list[float]:
+    """``--cards``: comma-separated card sizes in GiB (6.5,10,11.2), each above a CUDA context."""
+    try:
+        return [_card_gib(float(part)) for part in text.split(",")]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"--cards takes card sizes in GiB, comma-separated (6.5,10,11.2), each "
+                                         f"larger than {CUDA_CONTEXT_GIB}; got {text[:80]!r}: {error}") from None
 
 
 def prepare(work: Path, true_size: bool) -> Path:
@@ -163,8 +210,9 @@ def twin_path(args, name: str) -> Path:
 
 def run_mode(mode: str, args, models: Path, deadline: float) -> list[dict]:
     """One mode's ComfyUI process over every workflow: its rows (its log in ``e2e-MODE.log`` under ``--out``)."""
+    card = mode_settings(mode)[1]
     if time.time() > deadline - 30:
-        return [dict(mode=mode, workflow="(mode)", run="-", ok=False, error="not started: no time left")]
+        return [dict(mode=mode, card_gib=card, workflow="(mode)", run="-", ok=False, error="not started: no time left")]
     start = time.perf_counter()
     # --fresh-process: one process per workflow, so its host RAM is that recipe's alone (first and warm runs).
     groups = [[w] for w in args.workflows] if args.fresh_process else [args.workflows]
@@ -172,8 +220,8 @@ def run_mode(mode: str, args, models: Path, deadline: float) -> list[dict]:
     with (args.out / f"e2e-{mode}.log").open("w") as log:
         for workflows in groups:
             if rows and time.time() > deadline - 30:
-                rows += [dict(mode=mode, workflow=w, run="-", ok=False, error="not started: no time left")
-                         for w in workflows]
+                rows += [dict(mode=mode, card_gib=card, workflow=w, run="-", ok=False,
+                              error="not started: no time left") for w in workflows]
                 continue
             rows += _run_worker(mode, args, models, log, deadline, workflows)
     print(f"{mode}: {time.perf_counter() - start:.0f} s", flush=True)
@@ -181,7 +229,7 @@ def run_mode(mode: str, args, models: Path, deadline: float) -> list[dict]:
 
 
 def _run_worker(mode: str, args, models: Path, log, deadline: float, workflows: list[str]) -> list[dict]:
-    flags, card = MODES[mode]
+    flags, card = mode_settings(mode)
     results = args.out / f"runs-{mode}.jsonl"
     results.unlink(missing_ok=True)
     base = base_directory(args.work, mode, models, args.pack)
@@ -216,21 +264,12 @@ def _run_worker(mode: str, args, models: Path, log, deadline: float, workflows: 
     if timed_out or not rows:
         rows.append(dict(workflow="(process)", run="end", ok=False,
                          error="timed out (the check's deadline)" if timed_out else "the process died: see the log"))
-    return [dict(mode=mode, **row) for row in rows]
+    return [dict(mode=mode, card_gib=card, **row) for row in rows]
 
 
 def _peak(runs: list[dict]) -> str:
-    allocated = max((r.get("peak_allocated_gib", 0) for r in runs), default=0)
-    reserved = max((r.get("peak_reserved_gib", 0) for r in runs), default=0)
-    device = max((r.get("nvml_peak_gib", 0) for r in runs), default=0)
-    process = max((r.get("nvml_process_peak_gib", 0) for r in runs), default=0)
-    aimdo = max((r.get("aimdo_peak_gib", -1) for r in runs), default=-1)
-    ram = max((r.get("peak_rss_gib", 0) for r in runs), default=0)
-    anon, file = (max((r.get(key, 0) for r in runs), default=0) for key in ("peak_rss_anon_gib", "peak_rss_file_gib"))
-    nvml = (f" / {device:.1f}" + (f" ({process:.1f})" if process else "")) if device else ""
-    nvml += f" / aimdo {aimdo:.1f}" if aimdo >= 0 else ""
-    ram_text = (f"; {ram:.0f}" + (f" (anon {anon:.0f}, file {file:.0f})" if anon else "")) if ram else ""
-    return (f"{allocated:.1f} / {reserved:.1f}{nvml}" if reserved or device else "-") + ram_text
+    ram = host_ram(runs)
+    return gpu_peak(runs) + (f"; {ram}" if ram else "")
 
 
 def _patchers(runs: list[dict]) -> str:
@@ -311,10 +350,15 @@ def table(rows: list[dict], core: str = "0.3.75") -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The check's options; ``modes`` the modes to run (``--modes``, then ``--cards``' emulated cards, or the
+    tier's), ``warm_runs`` 5 for a sweep unless given."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tier", choices=list(TIERS), default="quick")
-    parser.add_argument("--modes", help=f"comma-separated, instead of the tier's ({', '.join(MODES)})")
+    parser.add_argument("--modes", help=f"comma-separated, instead of the tier's ({', '.join(MODES)}, or card<GiB>: "
+                        "an emulated card, card8, card10.5)")
+    parser.add_argument("--cards", type=card_sizes, default=[], help="emulated cards of these GiB, comma-separated "
+                        "(6.5,10,11.2), run after --modes' modes (instead of the tier's), with the sweep table")
     parser.add_argument("--workflows", default=",".join(WORKFLOWS), help="comma-separated twin names")
     parser.add_argument("--tiny", action="store_true", help="tiny models (256² images) instead of true-size ones")
     parser.add_argument("--cpu", action="store_true", help="ComfyUI on the CPU (--cpu)")
@@ -330,7 +374,8 @@ def main() -> None:
     parser.add_argument("--base-steps", type=int, help="cap the Base workflows' 50 steps (said in the table)")
     parser.add_argument("--deadline-s", type=float, default=560.0, help="stop starting modes after this")
     parser.add_argument("--parallel", type=int, default=1, help="modes run at once (their times then overlap)")
-    parser.add_argument("--warm-runs", type=int, default=1, help="warm runs per workflow; the table gives the median")
+    parser.add_argument("--warm-runs", type=int, help="warm runs per workflow, each a new prompt; the tables give the "
+                        f"median (default 1, with --cards {SWEEP_WARM_RUNS})")
     parser.add_argument("--fresh-process", action="store_true", help="one ComfyUI process per workflow (each "
                         "recipe's host RAM alone), instead of one per mode")
     parser.add_argument("--copies", action="store_true", help="one more warm run per workflow under the torch "
@@ -341,7 +386,7 @@ def main() -> None:
                         "each process (first runs as after a reboot)")
     parser.add_argument("--pack", type=Path, default=REPO, help="the pack to install, and its tests/workflows twins "
                         "(another checkout: the same check on older code, e.g. to compare times)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.comfyui is None:
         fork = args.core == "fork"
         candidates = FORK_DIRS if fork else (REPO / ".gpu" / "comfyui", REPO / ".cache" / "comfyui")
@@ -353,7 +398,23 @@ def main() -> None:
     if args.core == "auto":
         args.core = "fork" if (args.comfyui / "comfy" / "cmd" / "main_pre.py").is_file() else "0.3.75"
     args.workflows = args.workflows.split(",")
-    modes = args.modes.split(",") if args.modes else TIERS[args.tier]
+    named = args.modes.split(",") if args.modes else [] if args.cards else TIERS[args.tier]
+    args.modes = list(dict.fromkeys([*named, *map(card_mode, args.cards)]))
+    for mode in args.modes:
+        try:
+            mode_settings(mode)
+        except ValueError as error:
+            parser.error(f"--modes: {error}")
+    if args.warm_runs is None:
+        args.warm_runs = SWEEP_WARM_RUNS if args.cards else 1
+    elif args.warm_runs < 1:
+        parser.error(f"--warm-runs must be 1 or more, got {args.warm_runs}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    modes = args.modes
     deadline = time.time() + args.deadline_s
     args.out.mkdir(parents=True, exist_ok=True)
     models = prepare(args.work, true_size=not args.tiny)
@@ -367,11 +428,16 @@ def main() -> None:
                 log.write(mode_log.read_text())
                 mode_log.unlink()
     report = table(rows, args.core)
+    sweep = sweep_table(rows)
     if args.parallel > 1:
-        report += f"\n\n(modes ran {args.parallel} at a time: each time includes the others' load on the machine)"
+        overlap = f"\n\n(modes ran {args.parallel} at a time: each time includes the others' load on the machine)"
+        report, sweep = report + overlap, sweep + overlap
     (args.out / "e2e.md").write_text(report + "\n")
+    (args.out / "sweep.md").write_text(sweep + "\n")
     (args.out / "e2e.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(report)
+    if any(r.get("card_gib") for r in rows):  # emulated cards: the sweep too
+        print("\n" + sweep)
     if args.base_steps:
         print(f"(Base workflows capped at {args.base_steps} steps; the PE at {args.pe_tokens} new tokens)")
     sys.exit(0 if all(r["ok"] for r in rows) else 1)
