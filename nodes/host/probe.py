@@ -1,13 +1,13 @@
 """The probe: what each form of each model costs on this GPU, measured once and kept in ComfyUI's user folder.
 
 Measured on synthetic layers of the real shapes (random weights made on the device; no model file is read): one DiT
-block's linears in each form the pack holds the DiT in, and its attention once, times its 36 blocks; one text-encoder
-layer for a 128-token encode and for one PE token after 512, times its 26 layers, on the GPU and (the encode) on the
-CPU; host → GPU copies, pinned and pageable. The linears and attention are nearly all of a forward's time; the
-element-wise rest (norms, RoPE, activations, adaLN) is left out. GGUF blocks are timed eager, decoded by the pack's own
-``dequantize`` before each matmul: where the pack holds a GGUF DiT whole it compiles the blocks and inductor fuses the
-decode, which would take longer to compile than the whole probe may take; the eager figure ranks the GGUF types
-against each other and against the other forms, and the GPU check prints measured beside predicted.
+block's linears in each form the pack holds the DiT in, and its attention and element-wise work (norms, RoPE,
+activations, adaLN, residuals) once, times its 36 blocks; one text-encoder layer for a 128-token encode and for one
+PE token after 512, times its 26 layers, on the GPU and (the encode) on the CPU; host → GPU copies, pinned and
+pageable. Everything runs eager. GGUF blocks are decoded by the pack's own ``dequantize`` before each matmul: where
+the pack holds a GGUF DiT whole it compiles the blocks and inductor fuses the decode, which would take longer to
+compile than the whole probe may take; the eager figure ranks the GGUF types against each other and against the
+other forms, and the GPU check prints measured beside predicted.
 
 Warm-up once, then up to three timings (CUDA events), their median; a repetition beyond the first is skipped once
 ``budget_s`` has passed, so the probe stays near its budget on a slow GPU (about 15 s; on an H200 a few). Its peak
@@ -205,6 +205,40 @@ def _attention(heads: int, kv_heads: int, head_dim: int, queries: int, keys: int
     return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != heads)
 
 
+def _pointwise(tokens: int, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int, device: torch.device,
+               dit: bool) -> Callable[[], None]:
+    """One block's element-wise work beside its linears and attention, eager as the models run it: two RMSNorms,
+    RoPE on q and k, the FFN's activation times its up projection, two residual sums; the DiT also normalises q and
+    k and modulates and gates each half with its timestep's fp32 shift, scale and gate. Weights take no part in
+    it: the same for every form."""
+    x, norm = _random((1, tokens, hidden), torch.bfloat16, device, 1.0), torch.ones(hidden, dtype=torch.bfloat16,
+                                                                                   device=device)
+    q, k = _random((1, tokens, heads, head_dim), torch.bfloat16, device), _random((1, tokens, kv_heads, head_dim),
+                                                                                   torch.bfloat16, device)
+    head_norm, half = torch.ones(head_dim, dtype=torch.bfloat16, device=device), head_dim // 2
+    cos, sin = (_random((1, tokens, 1, head_dim), torch.bfloat16, device) for _ in range(2))
+    gate, up = (_random((1, tokens, ffn), torch.bfloat16, device) for _ in range(2))
+    timestep = _random((1, 1, hidden), torch.float32, device)
+
+    def rope(t: torch.Tensor) -> None:
+        out = t * cos
+        out[..., :half].addcmul_(t[..., half:], sin[..., :half])
+        out[..., half:].addcmul_(t[..., :half], sin[..., half:])
+
+    def run() -> None:
+        for _ in range(2):  # attention's half, then the FFN's
+            normed = F.rms_norm(x, (hidden,), norm)
+            if dit:
+                torch.addcmul(timestep, normed, 1 + timestep, out=torch.empty_like(normed))
+                x + torch.mul(timestep, normed, out=torch.empty_like(x))
+            else:
+                x + normed
+        for t in (q, k):
+            rope(F.rms_norm(t, (head_dim,), head_norm) if dit else t)
+        (F.gelu if dit else F.silu)(gate) * up
+    return run
+
+
 def _copy_speed(timer: _Timer, device: torch.device, size: int, pinned: bool) -> float:
     """Host → ``device`` bytes per second of one ``size``-byte copy (on the CPU device: a host copy; nothing pins)."""
     source = torch.zeros(size, dtype=torch.uint8, pin_memory=pinned and device.type == "cuda")
@@ -222,32 +256,36 @@ def measure(device: torch.device | str, shapes: Shapes = TRUE_SHAPES,
     ``progress(done, total)`` after each measurement; Cancel (``check_cancel``) before each."""
     device, s = torch.device(device), shapes
     forms = dit_forms(device)
-    timer = _Timer(budget_s, 2 + 1 + len(forms) + 3 + 2 * len(TEXT_FORMS) + 1, progress)
+    timer = _Timer(budget_s, 2 + 2 + len(forms) + 5 + 2 * len(TEXT_FORMS) + 1, progress)
     pinned = _copy_speed(timer, device, s.copy_bytes, pinned=True)
     pageable = _copy_speed(timer, device, s.copy_bytes, pinned=False)
 
     def dit(build: Callable[[int, int, torch.device], Linear]) -> float:
         return timer.seconds(_layers(build, s.dit_linears(), device, s.dit_tokens), device)
 
-    dit_attention = timer.seconds(_attention(s.dit_heads, s.dit_heads, s.dit_hidden // s.dit_heads, s.dit_tokens,
-                                             s.dit_tokens, device, causal=False), device)
-    seconds = {key: s.dit_blocks * (dit(build) + dit_attention) for key, build in forms.items()}
+    dit_heads = (s.dit_heads, s.dit_heads, s.dit_hidden // s.dit_heads)
+    dit_rest = timer.seconds(_attention(*dit_heads, s.dit_tokens, s.dit_tokens, device, causal=False), device) \
+        + timer.seconds(_pointwise(s.dit_tokens, s.dit_hidden, *dit_heads, s.dit_ffn, device, dit=True), device)
+    seconds = {key: s.dit_blocks * (dit(build) + dit_rest) for key, build in forms.items()}
 
     heads = (s.text_heads, s.text_kv_heads, s.text_head_dim)
-    text_attention = timer.seconds(_attention(*heads, s.text_tokens, s.text_tokens, device, causal=True), device)
-    pe_attention = timer.seconds(_attention(*heads, 1, s.pe_cached_tokens + 1, device, causal=False), device)
+    text_rest = timer.seconds(_attention(*heads, s.text_tokens, s.text_tokens, device, causal=True), device) \
+        + timer.seconds(_pointwise(s.text_tokens, s.text_hidden, *heads, s.text_ffn, device, dit=False), device)
+    pe_rest = timer.seconds(_attention(*heads, 1, s.pe_cached_tokens + 1, device, causal=False), device) \
+        + timer.seconds(_pointwise(1, s.text_hidden, *heads, s.text_ffn, device, dit=False), device)
     head_rows = min(s.vocab, HEAD_ROWS)  # the head stays bf16 in every form
     pe_head = timer.seconds(_layers(_bf16, [(s.text_hidden, head_rows)], device, 1), device) * s.vocab / head_rows
     for name, build in TEXT_FORMS.items():
         layer = timer.seconds(_layers(build, s.text_linears(), device, s.text_tokens), device)
-        seconds[f"text:{name}"] = s.text_layers * (layer + text_attention)
+        seconds[f"text:{name}"] = s.text_layers * (layer + text_rest)
         token = timer.seconds(_layers(build, s.text_linears(), device, 1), device)
-        seconds[f"pe:{name}"] = s.text_layers * (token + pe_attention) + pe_head
+        seconds[f"pe:{name}"] = s.text_layers * (token + pe_rest) + pe_head
 
     cpu = torch.device("cpu")
     cpu_layer = _layers(_bf16, s.text_linears(), cpu, s.text_tokens)
-    cpu_attention = _attention(*heads, s.text_tokens, s.text_tokens, cpu, causal=True)
-    cpu_text = s.text_layers * timer.seconds(lambda: (cpu_layer(), cpu_attention()), cpu, repeats=1)
+    cpu_rest = (_attention(*heads, s.text_tokens, s.text_tokens, cpu, causal=True),
+                _pointwise(s.text_tokens, s.text_hidden, *heads, s.text_ffn, cpu, dit=False))
+    cpu_text = s.text_layers * timer.seconds(lambda: [run() for run in (cpu_layer, *cpu_rest)], cpu, repeats=1)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # give back what the probe's layers took (a DiT block, the copies)
     return Costs(machine_key(device), pinned, pageable, seconds, {"text:bf16": cpu_text})
