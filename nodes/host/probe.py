@@ -256,6 +256,8 @@ def measure(device: torch.device | str, shapes: Shapes = TRUE_SHAPES,
     ``progress(done, total)`` after each measurement; Cancel (``check_cancel``) before each."""
     device, s = torch.device(device), shapes
     forms = dit_forms(device)
+    # Measurements: two copies; the DiT's attention and element-wise rest, then each form; the text encoder's and
+    # the PE's rest (two each) and the PE's head; each text form for an encode and a token; the encode on the CPU.
     timer = _Timer(budget_s, 2 + 2 + len(forms) + 5 + 2 * len(TEXT_FORMS) + 1, progress)
     pinned = _copy_speed(timer, device, s.copy_bytes, pinned=True)
     pageable = _copy_speed(timer, device, s.copy_bytes, pinned=False)
