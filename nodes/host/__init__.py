@@ -15,6 +15,8 @@ versions are never parsed, only features looked up (``hasattr``, signatures).
   the DiT's blocks inside a MODEL;
 - ``attention``: which of core's attention switches the DiT follows;
 - ``vae``, ``lora``: core's VAE and LoRA machinery.
+- ``probe``: what each model's forms cost on this GPU, measured once on synthetic layers and kept in ComfyUI's
+  user folder (``plan/costs``).
 """
 
 import sys
