@@ -10,6 +10,7 @@ left out: its loader says what is wrong when it runs.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,9 @@ from .text.nodes import TEXT_ENCODER_MODELS
 # eager.
 COMPILED = 1.2 / 2.2
 LATENT_1024 = (1, 128, 64, 64)
+# ERNIE_IMAGE_STREAM_TEXT_ENCODER=on lets the plan stream the text encoder through the GPU layer by layer. Off until
+# the GPU check has run it: the device machines were not lent in the session that wrote it (2026-12-04).
+STREAM_TEXT_ENCODER_ENV = "ERNIE_IMAGE_STREAM_TEXT_ENCODER"
 DEFAULT_PE_TOKENS = 512
 
 
@@ -219,10 +223,10 @@ def records(want: Wanted, device: torch.device) -> tuple[list[LoadRecord], objec
             continue  # on another GPU: not this card's
         where = path / "text_encoder" if role == TEXT_ENCODER and entry[1] else path
         tensors = _tensors(where, lambda n, head=lm_head: _language_model(n, head))
+        streams = role == TEXT_ENCODER and os.environ.get(STREAM_TEXT_ENCODER_ENV, "off").strip().lower() == "on"
         found.append(language_model_record(
             role, str(path), tensors, runs=1 if role == TEXT_ENCODER else want.pe_tokens, working=floor,
-            fixed_form=None if weight_dtype == AUTO else weight_dtype, places=places,
-            streams=role == TEXT_ENCODER))
+            fixed_form=None if weight_dtype == AUTO else weight_dtype, places=places, streams=streams))
     if want.vae is not None and want.vae.is_file():
         found.append(vae_record(str(want.vae), _tensors(want.vae),
                                 max(floor, decode_memory(want.latent, torch.bfloat16) * want.latent[0])))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from helpers.plan_records import FLOOR, GIB, costs, graph, lm_tensors
 
 from comfyui_ernie_image.nodes.plan.describe import Tensor, language_model_record
 from comfyui_ernie_image.nodes.plan.planner import BelowFloor, Card, plan
@@ -20,6 +19,7 @@ from comfyui_ernie_image.nodes.plan.records import (
     TEXT_ENCODER,
     Form,
 )
+from helpers.plan_records import FLOOR, GIB, costs, graph, lm_tensors
 
 SIZES = [4 + 0.25 * i for i in range(int((48 - 4) / 0.25) + 1)]
 GRAPHS = [dict(gguf=gguf, lora=lora, pe=pe) for gguf in (True, False) for lora in (False, True) for pe in (False, True)]

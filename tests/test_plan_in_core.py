@@ -1,0 +1,145 @@
+"""The memory plan inside a real ComfyUI 0.3.75 core, for the models' true sizes (sparse files: true headers, no
+data) on a card the CPU cannot be: core's memory queries answer for a 10 GB CUDA card, and the probe's costs are
+given (no GPU to measure). Both are faults a CPU cannot produce, so the tests say so in their names."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+
+import pytest
+
+from conftest import REPO
+from helpers.plan_files import sparse_gguf_dit, sparse_safetensors, sparse_text_encoder, sparse_vae
+from helpers.plan_records import GIB, costs
+
+CONTEXT = int(0.5 * GIB)  # what a CUDA context takes of a real card, outside torch's allocator
+
+
+@pytest.fixture
+def card(monkeypatch):
+    """``card(gib)``: core's memory queries answer for a CUDA card of ``gib`` GiB with nothing loaded (fault)."""
+    import comfy.cli_args
+    import comfy.model_management as mm
+
+    from comfyui_ernie_image.nodes import planning
+
+    def answer(gib: float) -> None:
+        total = int(gib * GIB)
+        monkeypatch.setattr(comfy.cli_args.args, "cpu", False)  # the tests' core runs with --cpu
+        monkeypatch.setattr(mm, "is_device_cuda", lambda device: True)
+        monkeypatch.setattr(mm, "get_total_memory", lambda dev=None, torch_total_too=False:
+                            (total, total) if torch_total_too else total)
+        monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False:
+                            (total - CONTEXT, 0) if torch_free_too else total - CONTEXT)
+        monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 16 * GIB)  # core's bound on an NVIDIA machine of 17 GiB
+        monkeypatch.setattr(planning, "costs_here", lambda device: costs())
+        monkeypatch.setenv(planning.STREAM_TEXT_ENCODER_ENV, "on")
+        planning._made.clear()
+
+    return answer
+
+
+@pytest.fixture
+def true_size_files(placed, comfy_paths, tiny_models):
+    comfy_paths.add_model_folder_path("vae", str(tiny_models["models_dir"] / "vae"), is_default=True)
+    return {
+        "dit": sparse_gguf_dit(placed("diffusion_models", "plan-10gb/ernie-image-turbo-Q4_K.gguf")),
+        "text": sparse_text_encoder(placed("text_encoders", "plan-10gb/ministral-3-3b.safetensors")),
+        "vae": sparse_vae(placed("vae", "plan-10gb/flux2-vae.safetensors")),
+        "lora": sparse_safetensors(placed("loras", "plan-10gb/lora.safetensors"),
+                                   {f"layers.{i}.mlp.up_proj.lora_{ab}.weight": shape for i in range(36)
+                                    for ab, shape in (("A", (16, 4096)), ("B", (12288, 16)))}),
+    }
+
+
+def _gguf_graph(te_device: str = "auto", te_weight_dtype: str = "auto") -> dict:
+    """The shipped GGUF workflow's API twin on the true-size files."""
+    prompt = json.loads((REPO / "tests" / "workflows" / "ernie_image_turbo_gguf.json").read_text())
+    for node in prompt.values():
+        inputs = node["inputs"]
+        if node["class_type"] == "ErnieImageDiTLoader":
+            inputs.update(model_name="diffusion_models/plan-10gb/ernie-image-turbo-Q4_K.gguf", quantization="auto")
+        elif node["class_type"] == "ErnieImageTextEncoderLoader":
+            inputs.update(model_name="text_encoders/plan-10gb/ministral-3-3b.safetensors", device=te_device,
+                          weight_dtype=te_weight_dtype)
+        elif node["class_type"] == "ErnieImageVAELoader":
+            inputs.update(vae_name="vae/plan-10gb/flux2-vae.safetensors")
+    return prompt
+
+
+def _with_lora(prompt: dict) -> dict:
+    prompt = copy.deepcopy(prompt)
+    dit = next(k for k, n in prompt.items() if n["class_type"] == "ErnieImageDiTLoader")
+    prompt["lora"] = {"class_type": "ErnieImageLoraLoader",
+                      "inputs": {"model": [dit, 0], "lora_name": "plan-10gb/lora.safetensors", "strength_model": 1.0}}
+    for node in prompt.values():
+        for name, value in node["inputs"].items():
+            if value == [dit, 0] and node is not prompt["lora"]:
+                node["inputs"][name] = ["lora", 0]
+    return prompt
+
+
+def test_on_a_10gb_card_faked_in_cores_memory_queries_the_plan_streams_the_text_encoder_and_keeps_the_dit(
+        card, true_size_files, caplog):
+    """Today the text encoder (fp8, 3.7 GB) is judged to fit alone (``fits_whole``) and is loaded whole for each
+    prompt beside a DiT that, with it and the decode, does not fit: core unloads one of them at every prompt. The
+    plan keeps the DiT and the VAE on the card and streams the text encoder's layers through it."""
+    import torch
+
+    from comfyui_ernie_image.nodes import planning
+    from comfyui_ernie_image.nodes.host.memory import fits_whole, torch_device
+    from comfyui_ernie_image.nodes.plan.records import DIT, RESIDENT, STREAMED, TEXT_ENCODER, VAE
+
+    card(10)
+    device = torch_device()
+    with caplog.at_level(logging.INFO):
+        plan = planning.make_plan(_gguf_graph())
+    assert plan is not None
+    te, dit, vae = plan.of(TEXT_ENCODER), plan.of(DIT), plan.of(VAE)
+    assert fits_whole(te.form.weight_bytes, device)  # today's rule: the text encoder alone fits
+    beside = dit.form.weight_bytes + vae.form.weight_bytes + te.form.weight_bytes + vae.record.working_bytes
+    assert beside > plan.card.usable  # ... but not beside the DiT and the decode
+    assert (te.place, te.form.setting) == (STREAMED, "fp8_e4m3fn")
+    assert dit.place == RESIDENT and vae.place == RESIDENT and plan.peak <= plan.card.usable
+    assert 9.0 < plan.card.usable / GIB < 9.2  # 10 GiB less a CUDA context and core's reserve
+    line = next(r.getMessage() for r in caplog.records if "plan for" in r.getMessage())
+    assert line.startswith("ERNIE-Image: plan for 9.1 GiB usable: text encoder fp8 streamed")
+    assert "DiT GGUF Q4_K resident" in line and "predicted warm" in line
+    assert device == torch.device("cpu")  # the fault: the CPU answered as a 10 GB CUDA card
+
+
+def test_explicit_values_of_a_saved_workflow_are_planned_around_on_a_faked_10gb_card(card, true_size_files):
+    from comfyui_ernie_image.nodes import planning
+    from comfyui_ernie_image.nodes.plan.records import CPU, PER_PROMPT, RESIDENT, TEXT_ENCODER
+
+    card(10)
+    plan = planning.make_plan(_gguf_graph("default", "fp8_e4m3fn"))  # as the workflow was saved before auto
+    te = plan.of(TEXT_ENCODER)
+    assert te.form.setting == "fp8_e4m3fn" and te.place in (RESIDENT, PER_PROMPT, CPU)
+
+
+def test_adding_a_lora_to_a_graph_that_has_run_makes_a_new_plan_on_a_faked_10gb_card(card, true_size_files, caplog):
+    from comfyui_ernie_image.nodes import planning
+    from comfyui_ernie_image.nodes.plan import session
+
+    card(10)
+    session.register(planning.make_plan)
+    with caplog.at_level(logging.INFO):
+        first = session.plan_for(_gguf_graph())
+        again = session.plan_for(_gguf_graph())  # the same graph again: the same plan, not logged again
+        with_lora = session.plan_for(_with_lora(_gguf_graph()))
+    lines = [r.getMessage() for r in caplog.records if "plan for" in r.getMessage()]
+    assert again is first and len(lines) == 2
+    assert with_lora is not first and with_lora.lora is not None and "1 LoRA" in lines[1]
+
+
+def test_below_the_floor_the_error_names_the_least_memory_and_what_to_download_on_a_faked_2gb_card(
+        card, true_size_files):
+    from comfyui_ernie_image.nodes import planning
+    from comfyui_ernie_image.nodes.errors import ErnieImageError
+
+    card(2)
+    with pytest.raises(ErnieImageError, match=r"need at least \d+\.\d GiB .* smaller GGUF of the DiT"):
+        planning.make_plan(_gguf_graph())
