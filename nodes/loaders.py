@@ -19,8 +19,10 @@ from .dit.precision import WEIGHT_DTYPES, asked_dtypes
 from .dit.schedule import DEFAULT_SHIFT, snapshot_shift
 from .dit.vae import load_snapshot_vae
 from .dit.weights import tensor_locations
+from .gguf.dequant import BLOCK_TYPE_NAMES
 from .host.memory import capacity, fits_whole, torch_device, usable_memory
 from .host.sizes import module_bytes
+from .model_files import is_gguf
 from .pe.nodes import pe_weight_dtype_input, snapshot_pe
 from .plan import session
 from .plan.records import DIT, RESIDENT
@@ -48,7 +50,7 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, 
     ``disable_dynamic``: on core's classic patcher also where the core streams models with dynamic VRAM (core's
     compile node asks so through ``cached_patcher_init`` when it demotes a model to compile it)."""
     device = torch_device()
-    if quantization == AUTO and path.suffix.lower() == ".gguf":
+    if quantization == AUTO and is_gguf(path):
         quantization = "none"  # a GGUF file is quantized already: auto keeps it as it is
     quantization, weight_dtype = _planned(quantization, weight_dtype)
     if quantization == AUTO:  # no plan here (a flag or device that fixes placement): the rule for this GPU
@@ -57,7 +59,7 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, 
                      choice.weight_dtype, choice.why)
         quantization, weight_dtype = choice.quantization, choice.weight_dtype
     method = METHODS[quantization]
-    if path.suffix.lower() == ".gguf":  # quantized already: the loader's quantization methods do not apply
+    if is_gguf(path):  # quantized already: the loader's quantization methods do not apply
         dit = load_gguf_dit(path, gguf_dtype(weight_dtype, quantization))
         dit.source = str(path)  # named should its weights make a NaN image
     else:
@@ -76,12 +78,12 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, 
     # Read back by the out-of-memory advice (dit/model.py ``memory_choices``), which cannot see the quant feature:
     # the method in use (auto's choice where auto was asked), and the one that would halve the DiT on this GPU.
     dit.quantization, dit.quantize_to = quantization, halving_method(cuda_arch(device))
-    if getattr(dit, "gguf_types", None):
+    if dit.gguf_types:
         dit.quantization, dit.quantize_to = "GGUF", None  # quantized in its file: no loader method applies
     # Core's mixed-precision layers under torch.compile are unverified (they have not run on a GPU): a file held in
     # them stays eager unless ErnieImageCompile asks, as do the methods that say so. A GGUF DiT compiles (its decode
     # fused by inductor). Blocks stored in fp8 compile only where Triton converts fp8 (sm89+).
-    compiles = (compiles_by_default(device) and method.compiles and not getattr(dit, "quant_formats", None)
+    compiles = (compiles_by_default(device) and method.compiles and not dit.quant_formats
                 and fp8_cast_problem(dit.layers, device) is None)
     # Compiled blocks need their weights on the GPU: where the whole DiT fits there, core's classic patcher keeps
     # it so (as core's compile node demotes a dynamic model); elsewhere core's own choice streams it.
@@ -164,7 +166,7 @@ class ErnieImageDiTLoader(io.ComfyNode):
             display_name="ERNIE-Image DiT Loader",
             category="ERNIE-Image/loaders",
             description="Loads the ERNIE-Image diffusion transformer from models/diffusion_models (the ComfyUI "
-            "repack, or a GGUF file: Q8_0, Q6_K, Q5_K, Q4_K) or from a snapshot folder's transformer/ (listed as "
+            f"repack, or a GGUF file: {BLOCK_TYPE_NAMES}) or from a snapshot folder's transformer/ (listed as "
             "diffusers/<name>).",
             inputs=[
                 DIT_MODELS.input("model_name", tooltip="diffusion_models/ernie-image(-turbo).safetensors, a GGUF of "

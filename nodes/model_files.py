@@ -281,6 +281,17 @@ def file_stamps(files: Iterable[Path], name: Callable[[Path], str] = str) -> lis
     return [[name(f), info.st_size, info.st_mtime_ns] for f in files if f.is_file() for info in (f.stat(),)]
 
 
+def is_gguf(path: Path | str) -> bool:
+    """Whether ``path`` names a GGUF file (by its suffix, as ComfyUI lists them)."""
+    return str(path).lower().endswith(".gguf")
+
+
+def dit_folder(path: Path) -> Path:
+    """Where a DiT folder keeps its weights: a snapshot's (or any folder's) ``transformer/``, else the folder
+    itself."""
+    return path / "transformer" if (path / "model_index.json").is_file() or (path / "transformer").is_dir() else path
+
+
 def read_json(path: Path) -> dict:
     """A JSON config file as a dict, or an error that names the file when it is damaged (a truncated download)."""
     try:

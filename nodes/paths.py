@@ -31,7 +31,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import folder_paths
 
 from .errors import ErnieImageError
-from .model_files import json_object
+from .model_files import is_gguf, json_object
 
 # The PE and the text encoder are both Ministral 3 files: under text_encoders, their names tell them apart.
 _PE_FILE = re.compile(r"(enhancer|(^|[^a-z])pe([^a-z]|$))", re.IGNORECASE)
@@ -144,7 +144,7 @@ def gguf_names(folder_name: str) -> list[str]:
     for root in folder_paths.get_folder_paths(folder_name):
         for current, _, found in walk(root):
             names.update(os.path.relpath(os.path.join(current, name), root).replace(os.sep, "/")
-                         for name in found if name.lower().endswith(".gguf"))
+                         for name in found if is_gguf(name))
     return sorted(names)
 
 

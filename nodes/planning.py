@@ -27,7 +27,7 @@ from .host.memory import torch_device
 from .host.plan import pinnable, placement_fixed, step_estimate, usable_for_models, working_floor
 from .host.probe import costs_here
 from .ministral_file import IGNORED, LM_HEADS
-from .model_files import read_folder_headers, read_header
+from .model_files import is_gguf, read_folder_headers, read_header
 from .paths import model_file_path
 from .pe.locate import pe_path
 from .plan import session
@@ -166,7 +166,7 @@ def _tensors(path: Path, keep=lambda name: True) -> list[Tensor]:
     """The tensors of a safetensors file, a folder of shards or a GGUF file, from their headers (kept per file)."""
     key = _stamp(path)
     if key not in _TENSORS:
-        if path.suffix.lower() == ".gguf":
+        if is_gguf(path):
             found = [gguf_tensor(n, t.shape, t.kind, t.nbytes) for n, t in read_gguf(path).tensors.items()]
         elif path.is_dir():
             found = [safetensors_tensor(n, i.shape, i.dtype) for n, i in read_folder_headers(path)[0].items()]
@@ -199,7 +199,7 @@ def records(want: Wanted, device: torch.device) -> tuple[list[LoadRecord], objec
     compiles = compiles_by_default(device)
     if want.dit is not None:
         path, quantization, weight_dtype = want.dit
-        gguf = path.suffix.lower() == ".gguf"
+        gguf = is_gguf(path)
         tensors = _tensors(path) if gguf else [t for f in weight_files(path) if f.suffix == ".safetensors"
                                                for t in _tensors(f)]
         kinds: dict[str, int] = {}

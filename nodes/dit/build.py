@@ -20,7 +20,7 @@ import torch
 
 from ..errors import ErnieImageError
 from ..host import attention, ops
-from ..model_files import builds_weights
+from ..model_files import builds_weights, dit_folder
 from ..quant_layout import FP8_FORMATS, QuantLayers, fold_quantization, header_metadata, split_quantization
 from .attention import AttentionPlan
 from .model import ErnieImageDiffusionModel
@@ -91,7 +91,7 @@ def build_diffusion_model(state_dict: dict[str, torch.Tensor], config: dict, dty
 def load_dit(path: Path, dtype: torch.dtype, storage: torch.dtype | None = None,
              load_device: torch.device | None = None) -> ErnieImageDiffusionModel:
     """The DiT from a snapshot folder, its ``transformer/`` folder or a single file."""
-    folder = path / "transformer" if (path / "transformer").is_dir() else path
+    folder = dit_folder(path)
     dit = build_diffusion_model(*read_dit(path, dtype), dtype, storage, header_metadata(folder), load_device)
     dit.source = str(path)
     return dit

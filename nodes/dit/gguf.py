@@ -1,4 +1,4 @@
-"""The DiT from a GGUF file (Q8_0, Q6_K, Q5_K, Q4_K; the community's 4- to 8-bit files for 8 and 12 GB cards).
+"""The DiT from a GGUF file (the types of ``gguf/dequant.BLOCKS``: the community's 3- to 8-bit files for small cards).
 
 Community ERNIE-Image GGUFs are made with city96's converter from the released safetensors, so their tensor names
 are the released keys (bare, or under ComfyUI's ``model.diffusion_model.``). They are recognised by those names,
@@ -23,7 +23,7 @@ import torch
 
 from ..cancel import check_cancel
 from ..errors import ErnieImageError
-from ..gguf.dequant import BLOCKS, SUPPORTED, UNSUPPORTED_ADVICE, dequantize
+from ..gguf.dequant import BLOCK_TYPE_NAMES, BLOCKS, SUPPORTED, UNSUPPORTED_ADVICE, dequantize
 from ..gguf.reader import GGUFTensor, first_bad_value, read_gguf
 from ..host import attention
 from ..host.gguf_layers import GGUFOperations, held_types, weight_shapes
@@ -44,7 +44,7 @@ from .weights import (
     expected_shapes,
 )
 
-ADVICE = ("Download it again, or pick another GGUF of ERNIE-Image (Q8_0, Q6_K, Q5_K_M, Q4_K_M) or "
+ADVICE = (f"Download it again, or pick another GGUF of ERNIE-Image (types {BLOCK_TYPE_NAMES}) or "
           "ernie-image-turbo.safetensors.")
 
 

@@ -98,6 +98,8 @@ class ErnieImageDiffusionModel(ErnieImageDiT):
     quantization: str = "none"
     quantize_to: str | None = None
     source: str = "the DiT file"  # the file or folder its weights came from (the loaders set it), named in errors
+    quant_formats: frozenset[str] = frozenset()  # core's quantized layer formats its blocks hold (build.py)
+    gguf_types: frozenset[str] = frozenset()  # the GGUF types its linear layers hold as blocks (gguf.py)
 
     def forward(self, x, timestep, context, text_lens, transformer_options={}, **kwargs):
         started = allocated_memory(x.device)  # what was held before this step: the advice counts the step's own
@@ -165,7 +167,7 @@ class ErnieImageModel(BaseModel):
         blocks = [m.weight for name, m in dit.named_modules()
                   if isinstance(m, torch.nn.Linear) and name.startswith("layers.")]
         # A GGUF DiT's blocks are quantized already (4 to 8 bits): no fp8 or quantization step saves anything there.
-        gguf = getattr(dit, "gguf_types", None)
+        gguf = dit.gguf_types
         saving = 0 if gguf else one_byte_saving(blocks)
         gguf_saving = 0 if gguf else sum(max(tensor_bytes(w) - q, 0) for w in blocks
                                          if (q := q4_k_m_bytes(w)) is not None)
@@ -222,10 +224,10 @@ def make_model_patcher(diffusion_model: ErnieImageDiffusionModel, shift: float =
     config.sampling_settings["shift"] = shift
     precision = diffusion_model.precision
     config.set_inference_dtype(precision.storage, precision.manual_cast)
-    subclass_weights = bool(getattr(diffusion_model, "quant_formats", None))  # core's QuantizedTensor weights
+    subclass_weights = bool(diffusion_model.quant_formats)  # core's QuantizedTensor weights
     if whole:
         patcher = WholeModelPatcher
-    elif getattr(diffusion_model, "gguf_types", None):
+    elif diffusion_model.gguf_types:
         patcher = GGUFModelPatcher
     else:
         patcher = dit_patcher_class(resident, subclass_weights)

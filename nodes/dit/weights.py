@@ -21,7 +21,15 @@ from pathlib import Path
 import torch
 
 from ..errors import ErnieImageError, quoted
-from ..model_files import Header, read_folder_headers, read_header, read_json, read_safetensors, read_tensors
+from ..model_files import (
+    Header,
+    dit_folder,
+    read_folder_headers,
+    read_header,
+    read_json,
+    read_safetensors,
+    read_tensors,
+)
 from ..quant_layout import (
     FP8_FORMATS,
     SCALED_MARKER,
@@ -279,7 +287,7 @@ def tensor_locations(path: Path) -> tuple[dict[str, tuple[Path, str]], dict]:
     the header metadata (an fp8 file's quantization layout may be there): from the headers alone. For code that
     reads a few of its tensors again (LoRAs on a quantized DiT: ``quant/requantize.py``)."""
     if path.is_dir():
-        folder = path / "transformer" if (path / "model_index.json").is_file() else path
+        folder = dit_folder(path)
         header, files = read_folder_headers(folder)
         return {name: (files[name], name) for name in header}, header_metadata(folder)
     header = read_header(path)

@@ -28,9 +28,10 @@ PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 SUPPORTED = (*BLOCKS, *PLAIN)
 # Where each block keeps its fp16 scales (byte offsets): what must be finite for the block to mean numbers.
 SCALE_OFFSETS = {"Q8_0": (0,), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-UNSUPPORTED_ADVICE = ("The pack reads the GGUF types Q8_0, Q6_K, Q5_K, Q4_K and Q3_K (the Q8_0, Q6_K, Q5_K_M/S, "
-                      "Q4_K_M/S and Q3_K_M/S/L files) and F16, BF16, F32: pick one of those files, or the safetensors "
-                      "file.")
+# The block types in words, from the one list above (``BLOCKS``): every message and description names them so.
+BLOCK_TYPE_NAMES = ", ".join(list(BLOCKS)[:-1]) + f" and {list(BLOCKS)[-1]}"
+UNSUPPORTED_ADVICE = (f"The pack reads the GGUF types {BLOCK_TYPE_NAMES} (community files such as Q4_K_M mix "
+                      "several of them) and F16, BF16, F32: pick a file of those types, or the safetensors file.")
 # Values decoded per step when eager: the float32 temporaries stay at 64 MiB however large the layer.
 CHUNK_VALUES = 1 << 24
 

@@ -33,7 +33,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..cancel import check_cancel
 from ..errors import ErnieImageError
-from ..model_files import file_stamps, read_header, read_safetensors
+from ..model_files import dit_folder, file_stamps, read_header, read_safetensors
 
 FORMAT = 1  # of this folder layout and record
 RECORD = "ernie_image_entry.json"
@@ -46,7 +46,7 @@ def weight_files(source: Path) -> list[Path]:
     config and shards."""
     if source.is_file():
         return [source]
-    folder = source / "transformer" if (source / "transformer").is_dir() else source
+    folder = dit_folder(source)
     return sorted(p for p in folder.iterdir() if p.suffix == ".safetensors" or p.name == "config.json")
 
 
