@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from comfyui_ernie_image.nodes.text.encoder import ErnieTextEncoder
+from comfyui_ernie_image.nodes.text.managed import ManagedTextEncoder
 from comfyui_ernie_image.nodes.text.streaming import LayerStream
 
 PROMPTS = ["a red cat sits on a blue mat", "", "一只 红色 的 猫"]
@@ -78,3 +79,26 @@ def test_cancel_between_two_layers_stops_there_and_the_next_encode_works(encoder
     assert second_calls == []  # the user pressed Cancel during layer 0: layer 1 never ran
     assert _weights(model) == before
     assert torch.equal(encoder.encode(PROMPTS[0], CPU, stream), expected)
+
+
+def test_a_streamed_managed_encoder_in_comfyui_encodes_the_same_and_is_never_loaded_whole(tiny_models):
+    """Inside the real core, in inference mode as ComfyUI runs nodes: the streamed encoder gives the unstreamed one's
+    embeddings, and ComfyUI never holds it loaded whole; the plan switches it to whole loading and back."""
+    file = tiny_models["text_encoder_file"]
+    whole = ManagedTextEncoder.from_single_file(file, "default")
+    streamed = ManagedTextEncoder.from_single_file(file, "default", streamed=True)
+
+    def held(managed: ManagedTextEncoder) -> bool:
+        return any(loaded.model is managed.patcher for loaded in mm.current_loaded_models)
+
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            expected = whole.encode(prompt)
+            assert torch.equal(streamed.encode(prompt), expected), prompt
+            assert held(whole) and not held(streamed)
+        streamed.set_streamed(False)
+        assert torch.equal(streamed.encode(PROMPTS[0]), expected := whole.encode(PROMPTS[0])) and held(streamed)
+        streamed.set_streamed(True)
+        assert not held(streamed)
+        assert torch.equal(streamed.encode(PROMPTS[0]), expected) and not held(streamed)
+    assert streamed.stream.copied_bytes > 0
