@@ -2,9 +2,9 @@
 
 The text encoder is streamed where it does not fit on the GPU beside the DiT: its decoder layers stay in host memory
 (pinned by the host where allowed) and each is copied to the device just before it runs and dropped right after, so
-the device holds two layers (the one computing, the next arriving) and the activations. The embedding table (0.8 GB
-of Ministral 3's 3.4 GB) never moves: its rows are looked up where it lives and only they go to the device. The
-other tensors (the final norm, the rotary frequencies) are small and move once per run.
+the device holds two layers (the one computing, the next arriving) and the activations. The embedding table (0.8 GB:
+a fifth of Ministral 3 with fp8 layers) never moves: its rows are looked up where it lives and only they go to the
+device. The other tensors (the final norm, the rotary frequencies) are small and move once per run.
 
 A tensor passes through the device by swapping its ``.data`` to a device copy and back to its own host tensor: nothing
 is copied back, no second host copy is made, and the model is left as it was (after Cancel or an error too).
@@ -12,12 +12,12 @@ is copied back, no second host copy is made, and the model is left as it was (af
 The run is transformers' own forward of the model (its mask, positions and rotary embedding), with hooks on the
 layers. It stops before the last layer: the encoder's ``hidden_states[-2]`` is that layer's input (transformers
 records the first layer's input, each layer's output, and puts the normed last output in place of the last one), so
-the last layer and the norm are never run nor copied; the result is bit-identical (tests/test_text_streaming.py).
+the last layer is neither copied nor run, nor is the norm run; the result is bit-identical (test_text_streaming.py).
 
 On a CUDA device the next layer is copied on a side stream while the current one computes: the compute stream waits
 on an event for its own layer only; a device copy is marked used by the compute stream (``record_stream``) before it
-is dropped, so its memory is not reused before the layer ran; the host waits for the layer before last to finish
-before copying the next, so no more than two layers are on the device however far ahead the host runs. The copies'
+is dropped, so its memory is not reused before the layer ran; before copying layer i + 1 the host waits for layer
+i - 1 to finish, so no more than two layers are on the device however far ahead the host runs. The copies'
 sources are the model's own host tensors, alive for the whole run. On other devices the same code runs without
 streams or events.
 """
@@ -135,18 +135,20 @@ class LayerStream:
             if index == len(layers) - 1:
                 raise _Reached(args[0] if args else kwargs["hidden_states"])
             check_cancel()
-            if index + 1 < len(layers) - 1:
-                if index - 1 in finished:  # the layer before last is done: its memory is free for the next layer
-                    finished.pop(index - 1).synchronize()
-                bring(index + 1)
             if on_device[index].ready is not None:
                 compute_stream.wait_event(on_device[index].ready)
 
         def after(index: int, module, args, output):
+            # The layer's kernels are queued: copy the next layer while they run (from pageable memory too, whose
+            # copies hold the host until they are done).
             if cuda:
                 finished[index] = torch.cuda.Event()
                 finished[index].record(compute_stream)
             on_device.pop(index).release(compute_stream)
+            if index + 1 < len(layers) - 1:
+                if index - 1 in finished:  # the layer before is done: its memory is free for the next one
+                    finished.pop(index - 1).synchronize()
+                bring(index + 1)
 
         hooks = []
         small = _OnDevice(self._small_tensors(), self.device, None)  # on the compute stream: nothing to wait for
