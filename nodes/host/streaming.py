@@ -23,12 +23,21 @@ from .sizes import tensor_bytes
 
 def pin_weights(patcher: ModelPatcher, keys: list[str]) -> int:
     """Pin the weights of ``patcher``'s model named by ``keys`` in host memory, as core pins offloaded weights; the
-    bytes pinned now (0 where core pins nothing: no such GPU, ``--disable-pinned-memory``, its limit reached)."""
+    bytes pinned now (0 where core pins nothing: no such GPU, ``--disable-pinned-memory``, its limit reached).
+
+    A weight the pack read from a file is a private map of it (``model_files``). Each is first copied out of the map,
+    one at a time, as ComfyUI-GGUF detaches mapped weights before core pins them (nodes.py @76908c11,
+    ``GGUFModelPatcher.pin_weight_to_device``): core registers memory it owns, and a failed registration leaves a
+    CUDA error that 0.3.75 does not clear (upstream does: ``discard_cuda_async_error``, model_management.py
+    @02b2b388)."""
     pin = getattr(patcher, "pin_weight_to_device", None)
-    if pin is None:
+    if pin is None or getattr(mm, "MAX_PINNED_MEMORY", 0) <= 0:
         return 0
     before = set(patcher.pinned)
-    for key in keys:
+    for key in set(keys) - before:
+        weight = comfy.utils.get_attr(patcher.model, key)
+        with torch.inference_mode(False):
+            weight.data = weight.data.clone()
         pin(key)
     return sum(tensor_bytes(comfy.utils.get_attr(patcher.model, key)) for key in set(patcher.pinned) - before)
 

@@ -105,11 +105,13 @@ class LayerStream:
 
     def working_bytes(self, tokens: int) -> int:
         """An upper estimate of the activations a run of ``tokens`` tokens holds on the device at once: one layer's
-        hidden states, projections and MLP, and attention scores where the kernel materialises them."""
+        hidden states, projections and MLP, attention scores where the kernel materialises them, and the keys and
+        values transformers' cache keeps for every layer."""
         config = self.model.config
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        per_token = 4 * config.hidden_size + 2 * (heads + kv_heads) * head_dim + 3 * config.intermediate_size
+        per_token = (4 * config.hidden_size + 2 * (heads + kv_heads) * head_dim + 3 * config.intermediate_size
+                     + 2 * kv_heads * head_dim * len(self.model.layers))
         element = self.model.embed_tokens.weight.element_size()
         return WORKING_MARGIN * (tokens * per_token * element + heads * tokens * tokens * ATTENTION_SCORE_BYTES)
 
@@ -125,7 +127,6 @@ class LayerStream:
         layers = list(self.model.layers)
         on_device: dict[int, _OnDevice] = {}
         finished: dict[int, torch.cuda.Event] = {}
-        self.copied_bytes = 0
 
         def bring(index: int) -> None:
             on_device[index] = _OnDevice(_tensors(layers[index]), self.device, copy_stream)
