@@ -40,7 +40,7 @@ ENGINE = [
     "pe/local/attention.py", "pe/local/fused.py", "pe/local/batching.py", "pe/local/template.py",
     "pe/remote/__init__.py", "pe/remote/enhancer.py", "pe/remote/bounded_http.py", "pe/remote/key_policy.py",
     "pe/remote/url.py",
-    "text/encoder.py",
+    "text/encoder.py", "text/streaming.py",
 ]
 # The host layer's modules that engines may use: plain torch, no core.
 PLAIN_HOST = ["host/__init__.py", "host/sizes.py"]

@@ -191,17 +191,24 @@ class WholeModelPatcher(OutsideInferenceMode, ModelPatcher):
         return 0  # frees nothing: ComfyUI then unloads the whole model
 
 
-def text_model_patcher(container: torch.nn.Module, load: torch.device, offload: torch.device,
-                       what: str, chosen: bool) -> WholeModelPatcher:
-    """A patcher that loads ``container`` whole on ``load`` on demand. Where the device was core's choice
-    (``chosen`` False) and it cannot hold the model with everything else unloaded, the model runs on ``offload``
-    instead, in the dtype it was read in (bf16 on the CPU holds half of fp32's RAM), and the log says so."""
+def whole_load_device(container: torch.nn.Module, load: torch.device, offload: torch.device, what: str,
+                      chosen: bool) -> torch.device:
+    """Where ``container`` is loaded whole: ``load``, but where the device was core's choice (``chosen`` False) and
+    it cannot hold the model with everything else unloaded, ``offload``, where the model then runs in the dtype it
+    was read in (bf16 on the CPU holds half of fp32's RAM); the log says so."""
     size = module_bytes(container)
     if not chosen and load != offload and not fits_whole(size, load):
         logging.warning("ERNIE-Image: the %s (%.1f GiB) does not fit on %s (%.1f GiB usable with nothing else "
                         "loaded); it runs on %s. Its loader's device input picks another device.", what,
                         size / 2**30, load, max(capacity(load), 0) / 2**30, offload)
-        load = offload
+        return offload
+    return load
+
+
+def text_model_patcher(container: torch.nn.Module, load: torch.device, offload: torch.device,
+                       what: str, chosen: bool) -> WholeModelPatcher:
+    """A patcher that loads ``container`` whole on demand, on ``whole_load_device``."""
+    load = whole_load_device(container, load, offload, what, chosen)
     return WholeModelPatcher(container, load_device=load, offload_device=offload)
 
 

@@ -16,6 +16,7 @@ import torch
 from ..errors import ErnieImageError
 from ..ministral_file import load_ministral_folder, read_config, read_ministral_file
 from ..model_files import read_json
+from .streaming import LayerStream
 
 TEXT_ENCODER_CLASSES = ("Mistral3Model", "Mistral3ForConditionalGeneration")
 
@@ -83,12 +84,17 @@ class ErnieTextEncoder:
         return ids
 
     @torch.no_grad()
-    def encode(self, text: str, device: torch.device) -> torch.Tensor:
+    def encode(self, text: str, device: torch.device, stream: LayerStream | None = None) -> torch.Tensor:
         """The ``[T, D]`` embedding of one prompt, computed on ``device``; an error naming the weights' file when it
-        holds a NaN or an infinity (weights with absurd values: the DiT would sample a black image from it)."""
-        input_ids = torch.tensor([self.token_ids(text)], device=device)
-        outputs = self.language_model(input_ids=input_ids, output_hidden_states=True)
-        embedding = outputs.hidden_states[-2][0]
+        holds a NaN or an infinity (weights with absurd values: the DiT would sample a black image from it).
+        ``stream``: the language model's ``LayerStream`` through ``device``, which passes the weights through it a
+        decoder layer at a time (the same embedding)."""
+        input_ids = torch.tensor([self.token_ids(text)])
+        if stream is None:
+            outputs = self.language_model(input_ids=input_ids.to(device), output_hidden_states=True)
+            embedding = outputs.hidden_states[-2][0]
+        else:
+            embedding = stream.hidden_before_last_layer(input_ids)[0]
         if not bool(torch.isfinite(embedding).all()):
             raise ErnieImageError(
                 f"The text encoder {self.source} made text embeddings that are not finite (NaN or infinity): its "
