@@ -149,10 +149,10 @@ class ErnieImageLoader(io.ComfyNode):
         snapshot = SNAPSHOT_MODELS.resolve(model_name).path
         session.plan_for_node(cls)
         model = _load_model(snapshot, weight_dtype, quantization, snapshot_shift(snapshot))
-        device, fp8, streamed = planned_text_encoder(text_encoder_device, text_encoder_weight_dtype)
         return io.NodeOutput(
             model,
-            ManagedTextEncoder.from_snapshot(snapshot, device, fp8),
+            ManagedTextEncoder.from_snapshot(snapshot, **planned_text_encoder(text_encoder_device,
+                                                                              text_encoder_weight_dtype)),
             load_snapshot_vae(snapshot),
             snapshot_pe(snapshot, pe_weight_dtype),
         )

@@ -236,11 +236,13 @@ def records(want: Wanted, device: torch.device) -> tuple[list[LoadRecord], objec
 
 
 _made: dict[tuple, Plan] = {}
+# The usable memory drifts by what torch caches between stages: a plan is kept until it differs by more than this.
+DRIFT = 2**29
 
 
 def make_plan(prompt: Mapping) -> Plan | None:
-    """The plan of ``prompt``'s graph on this card (kept while its models and the card stay the same); None where
-    core's placement applies (its words are logged once)."""
+    """The plan of ``prompt``'s graph on this card (kept while its models, the costs and, within ``DRIFT``, the
+    usable memory stay the same); None where core's placement applies (its words are logged once)."""
     device = torch_device()
     fixed = placement_fixed(device)
     if fixed is not None:
@@ -251,9 +253,10 @@ def make_plan(prompt: Mapping) -> Plan | None:
         return None
     want = wanted(prompt)
     usable = usable_for_models(device) - session.short()
-    key = (want, usable // 2**28, costs.key)
-    if key in _made:
-        return _made[key]
+    key = (want, costs.key, session.short())  # an out-of-memory correction plans anew
+    kept = _made.get(key)
+    if kept is not None and abs(kept.card.usable - usable) <= DRIFT:
+        return kept
     found, lora = records(want, device)
     if not found:
         return None

@@ -9,12 +9,23 @@ import json
 import logging
 
 import pytest
+import torch
+from torch.overrides import TorchFunctionMode
 
 from conftest import REPO
 from helpers.plan_files import sparse_gguf_dit, sparse_safetensors, sparse_text_encoder, sparse_vae
 from helpers.plan_records import GIB, costs
 
 CONTEXT = int(0.5 * GIB)  # what a CUDA context takes of a real card, outside torch's allocator
+
+
+@pytest.fixture(autouse=True)
+def no_plan_after():
+    """No plan outlives a test: loaders run later without a prompt would follow it."""
+    from comfyui_ernie_image.nodes.plan import session
+
+    yield
+    session.forget()
 
 
 @pytest.fixture
@@ -143,3 +154,50 @@ def test_below_the_floor_the_error_names_the_least_memory_and_what_to_download_o
     card(2)
     with pytest.raises(ErnieImageError, match=r"need at least \d+\.\d GiB .* smaller GGUF of the DiT"):
         planning.make_plan(_gguf_graph())
+
+
+class OutOfMemoryOnce(TorchFunctionMode):
+    """A GPU that fills up at the first attention of a sampling step, once (injected: the CPU cannot run out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.raised = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.scaled_dot_product_attention and not self.raised:
+            self.raised += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 198.00 MiB")
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_out_of_memory_in_a_planned_step_replans_and_retries_once_injected_oom(card, true_size_files, tiny_models,
+                                                                                    caplog):
+    from comfyui_ernie_image.nodes import planning
+    from comfyui_ernie_image.nodes.dit.build import load_dit
+    from comfyui_ernie_image.nodes.dit.model import make_model_patcher
+    from comfyui_ernie_image.nodes.plan import session
+    from helpers.accel import sample
+
+    card(10)
+    session.register(planning.make_plan)
+    first = session.plan_for(_gguf_graph())
+    model = make_model_patcher(load_dit(tiny_models["snapshot"], torch.float32))
+    with caplog.at_level(logging.WARNING), OutOfMemoryOnce() as fault:
+        sample(model, steps=1, cfg=1.0)  # the step ran out once, and ran again
+    assert fault.raised == 1
+    assert any("planning again with" in r.getMessage() and "retrying once" in r.getMessage() for r in caplog.records)
+    corrected = session.plan_for(_gguf_graph())  # the next prompt: a plan for less memory
+    assert corrected is not first and corrected.card.usable < first.card.usable - 2**27  # less 256 MiB (tiny DiT added)
+    with OutOfMemoryOnce(), OutOfMemoryOnce(), pytest.raises(torch.OutOfMemoryError, match="ERNIE-Image: "):
+        sample(model, steps=1, cfg=1.0)  # twice in one step of the corrected plan: no second retry, the advice
+
+
+def test_without_a_plan_an_out_of_memory_is_not_retried_injected_oom(tiny_models):
+    from comfyui_ernie_image.nodes.dit.build import load_dit
+    from comfyui_ernie_image.nodes.dit.model import make_model_patcher
+    from helpers.accel import sample
+
+    model = make_model_patcher(load_dit(tiny_models["snapshot"], torch.float32))
+    with OutOfMemoryOnce() as fault, pytest.raises(torch.OutOfMemoryError, match="ERNIE-Image: "):
+        sample(model, steps=1, cfg=1.0)
+    assert fault.raised == 1

@@ -30,7 +30,7 @@ def test_both_loaders_offer_every_method(comfy_server):
     info = comfy_server.object_info()
     for node in ("ErnieImageLoader", "ErnieImageDiTLoader"):
         kind, spec = info[node]["input"]["required"]["quantization"]
-        assert kind == "COMBO" and spec["options"] == ["auto", *METHODS] and spec["default"] == "none"
+        assert kind == "COMBO" and spec["options"] == ["auto", *METHODS] and spec["default"] == "auto"
 
 
 @pytest.mark.parametrize("loader", ["dit", "loader"])

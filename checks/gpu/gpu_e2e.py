@@ -148,11 +148,17 @@ def prepare(work: Path, true_size: bool) -> Path:
 
 
 def base_directory(work: Path, mode: str, models: Path, pack: Path) -> Path:
-    """A fresh ComfyUI base directory per mode (its own PE cache), the pack under another folder name."""
+    """A fresh ComfyUI base directory per mode (its own PE cache), the pack under another folder name. The costs the
+    pack measures once per machine (``host/probe.py``: ``user/ernie-image/``) are one folder for every process
+    of the check, as in one user's ComfyUI: measured by the first, read by the others."""
     base = work / f"base-{mode}-{time.time_ns()}"
     (base / "custom_nodes").mkdir(parents=True)
     (base / "custom_nodes" / "comfyui-ernie-image").symlink_to(pack, target_is_directory=True)
     (base / "models").symlink_to(models, target_is_directory=True)
+    costs = work / "costs"
+    costs.mkdir(exist_ok=True)
+    (base / "user").mkdir()
+    (base / "user" / "ernie-image").symlink_to(costs, target_is_directory=True)
     return base
 
 

@@ -23,7 +23,8 @@ import torch
 
 QK_K = 256
 # type → (values per block, bytes per block), as GGML_QUANT_SIZES says.
-BLOCKS = {"Q8_0": (32, 34), "Q3_K": (QK_K, 110), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210)}
+# The one list of the block types the pack reads, from the most bits a weight to the fewest.
+BLOCKS = {"Q8_0": (32, 34), "Q6_K": (QK_K, 210), "Q5_K": (QK_K, 176), "Q4_K": (QK_K, 144), "Q3_K": (QK_K, 110)}
 PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 SUPPORTED = (*BLOCKS, *PLAIN)
 # Where each block keeps its fp16 scales (byte offsets): what must be finite for the block to mean numbers.

@@ -6,16 +6,17 @@ RESIDENT on the GPU holds its weights there through every stage; the others hold
 PER_PROMPT its whole weights, STREAMED two of its blocks (the one computing and the next arriving), PARTIAL (the DiT
 under core's partial loading) the part core keeps, which stays through every stage, CPU nothing. A stage's peak is
 what the residents hold, what the running model holds and its working memory; a plan is possible where every stage's
-peak fits the usable memory and what is pinned fits the host's pinnable memory.
+peak fits the usable memory.
 
 Time: each model's runs at the measured cost of its form (``costs``), plus the bytes it moves host → GPU each prompt
-at the measured bandwidth (pinned for streamed weights and core's partial loading, which pins what it keeps off the
-GPU; pageable for whole loads). Every combination is tried (a handful of forms and places per model). Where every
-model can stay on the GPU at once, the plan keeps them there: it moves nothing per prompt, which no measured cost
-beats on a card whose link other programs share. Otherwise the plan is the fastest possible one, then the one whose
-first prompt is fastest, then the one that moves fewest bytes. A larger card only adds possible combinations, so the
-predicted warm time does not rise as memory grows, but where all-resident forms are slower than a mix that streams
-(the tests check this over every size for ERNIE-Image's models).
+at the measured bandwidth (pinned for streamed weights where core may pin them all, and for core's partial loading,
+which pins what it keeps off the GPU; pageable for whole loads). Every combination is tried (a handful of forms and
+places per model). Where every model can stay on the GPU at once, the plan keeps them there: it moves nothing per
+prompt, which no measured cost beats on a card whose link other programs share. Otherwise the plan is the fastest
+possible one, then the one whose first prompt is fastest, then the one that moves fewest bytes. A larger card only
+adds possible combinations, so the predicted warm time never rises as memory grows, but where the all-resident rule
+would pick a slower plan than a mix that moves weights: the tests check over every size from 4 to 48 GiB that it does
+not for ERNIE-Image's models.
 """
 
 from __future__ import annotations

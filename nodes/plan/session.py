@@ -97,3 +97,9 @@ def prompt_finished() -> None:
         return
     logging.info("ERNIE-Image: prompt took %.1f s (predicted warm %.1f s)", time.perf_counter() - started,
                  _latest[0].warm)
+
+
+def forget() -> None:
+    """No plan, no correction and no prompt timing until the next graph asks (a new process's state)."""
+    _latest[0], _started[0], _retried[0] = None, None, None
+    _short[0] = 0

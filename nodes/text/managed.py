@@ -34,12 +34,19 @@ class ManagedTextEncoder(CacheSized):
     ``streamed``: the weights stay on the offload device (host RAM, pinned where core allows) and pass through the
     device a decoder layer at a time for each prompt (``streaming.LayerStream``); ComfyUI never loads the encoder
     whole, and makes room for two layers and the activations only. The encoder is read in the dtype it computes in
-    on that device (bf16 on GPUs that compute in it), whichever place it has."""
+    on that device (bf16 on GPUs that compute in it), whichever place it has.
 
-    def __init__(self, encoder: ErnieTextEncoder, device: str = "default", streamed: bool = False):
+    ``follows_plan``: its device input was ``auto``: each prompt it streams or not as the graph's latest memory plan
+    says (``plan.session``). ``on_host``: it runs on ComfyUI's offload device (the CPU) in the dtype it computes in on
+    the GPU (bf16 holds half of fp32's RAM), as core's choice does where the GPU cannot hold it."""
+
+    def __init__(self, encoder: ErnieTextEncoder, device: str = "default", streamed: bool = False,
+                 follows_plan: bool = False, on_host: bool = False):
         self.encoder = encoder
-        self.chosen = device != "default"
+        self.follows_plan = follows_plan
+        self.chosen = device != "default" or on_host
         load, offload = text_devices(device)
+        load = offload if on_host else load
         container = TextEncoderModule(place(encoder.language_model, offload), offload)
         self.patcher = text_model_patcher(container, offload if streamed else load, offload, "text encoder",
                                           self.chosen)
@@ -48,16 +55,16 @@ class ManagedTextEncoder(CacheSized):
         self.set_streamed(streamed)
 
     @classmethod
-    def from_snapshot(cls, snapshot: Path, device: str = "default", fp8: bool = False,
-                      streamed: bool = False) -> ManagedTextEncoder:
+    def from_snapshot(cls, snapshot: Path, device: str = "default", fp8: bool = False, streamed: bool = False,
+                      follows_plan: bool = False, on_host: bool = False) -> ManagedTextEncoder:
         dtype = text_model_dtype(text_devices(device)[0])
-        return cls(ErnieTextEncoder.from_snapshot(snapshot, dtype, fp8), device, streamed)
+        return cls(ErnieTextEncoder.from_snapshot(snapshot, dtype, fp8), device, streamed, follows_plan, on_host)
 
     @classmethod
-    def from_single_file(cls, path: Path, device: str = "default", fp8: bool = False,
-                         streamed: bool = False) -> ManagedTextEncoder:
+    def from_single_file(cls, path: Path, device: str = "default", fp8: bool = False, streamed: bool = False,
+                         follows_plan: bool = False, on_host: bool = False) -> ManagedTextEncoder:
         dtype = text_model_dtype(text_devices(device)[0])
-        return cls(ErnieTextEncoder.from_single_file(path, dtype, fp8), device, streamed)
+        return cls(ErnieTextEncoder.from_single_file(path, dtype, fp8), device, streamed, follows_plan, on_host)
 
     def set_streamed(self, streamed: bool) -> None:
         """Stream the encoder through its device from the next prompt on, or load it whole again (the plan may

@@ -37,14 +37,17 @@ def text_encoder_device_input(name: str) -> io.Combo.Input:
                           "cannot hold it at all). cpu or another GPU keeps it off the DiT's card.")
 
 
-def planned_text_encoder(device: str, weight_dtype: str) -> tuple[str, bool, bool]:
-    """The loader's ``device`` and ``weight_dtype`` with ``auto`` resolved by the graph's plan: the device ComfyUI
-    manages it on, whether its decoder layers are fp8, and whether it streams through the GPU."""
+def planned_text_encoder(device: str, weight_dtype: str) -> dict:
+    """The loader's ``device`` and ``weight_dtype`` with ``auto`` resolved by the graph's plan, as the keyword
+    arguments of ``ManagedTextEncoder.from_snapshot`` / ``from_single_file``: the device ComfyUI manages it on,
+    whether its decoder layers are fp8, whether it streams through the GPU and follows later plans."""
     fp8 = wants_fp8(session.form_setting(TEXT_ENCODER, weight_dtype, "default"))
     if device != AUTO:
-        return device, fp8, False
+        return dict(device=device, fp8=fp8)
     place = session.place(TEXT_ENCODER)
-    return ("cpu" if place == CPU else "default"), fp8, place == STREAMED
+    if place == CPU:  # on the CPU in the dtype of the GPU (bf16), as core's choice runs it where it cannot fit
+        return dict(fp8=fp8, on_host=True)
+    return dict(fp8=fp8, streamed=place == STREAMED, follows_plan=place is not None)
 
 
 def text_encoder_weight_dtype_input(name: str) -> io.Combo.Input:
@@ -79,10 +82,10 @@ class ErnieImageTextEncoderLoader(io.ComfyNode):
     def execute(cls, model_name: str, device: str = AUTO, weight_dtype: str = AUTO) -> io.NodeOutput:
         model = TEXT_ENCODER_MODELS.resolve(model_name)
         session.plan_for_node(cls)
-        device, fp8, streamed = planned_text_encoder(device, weight_dtype)
+        chosen = planned_text_encoder(device, weight_dtype)
         if model.folder == SNAPSHOTS.folder:
-            return io.NodeOutput(ManagedTextEncoder.from_snapshot(model.path, device, fp8))
-        return io.NodeOutput(ManagedTextEncoder.from_single_file(model.path, device, fp8))
+            return io.NodeOutput(ManagedTextEncoder.from_snapshot(model.path, **chosen))
+        return io.NodeOutput(ManagedTextEncoder.from_single_file(model.path, **chosen))
 
 
 class ErnieImageTextEncode(io.ComfyNode):
@@ -105,6 +108,8 @@ class ErnieImageTextEncode(io.ComfyNode):
     def execute(cls, text_encoder: ManagedTextEncoder, text: str) -> io.NodeOutput:
         session.plan_for_node(cls)  # a graph changed since its loaders ran (a LoRA added) is planned anew
         session.prompt_started()
+        if text_encoder.follows_plan and session.place(TEXT_ENCODER) is not None:
+            text_encoder.set_streamed(session.place(TEXT_ENCODER) == STREAMED)
         return io.NodeOutput([[text_encoder.encode(text), {}]])
 
 
