@@ -104,17 +104,18 @@ def test_the_patchers_size_counts_the_lora_factors_in_whole_and_partial_loads(gg
     """What core plans a load with (``model_size()``, through ``LoadedModel``) is the blocks plus the factors' bytes,
     once for a clone too; a whole load puts the factors on the load device and counts them loaded; a partial load
     counts those of the layers it loads, and leaves the streamed layers' LoRA to core's ``LowVramPatch``, as today."""
-    from comfyui_ernie_image.nodes.host.gguf_layers import FACTORS, lora_patch_bytes
-
     plain = _gguf_model(gguf_path)
     weights = plain.model_size()
     deltas, lora = _lora(EVERY_BLOCK, seed=3)
     patched = apply_lora(plain, lora, 0.8, "tiny")[0]
     factor_bytes = sum(down.nbytes + up.nbytes for down, up in deltas.values())
-    assert lora_patch_bytes(plain) == 0 and lora_patch_bytes(patched) == factor_bytes > 0
-    assert patched.model_size() == weights + factor_bytes == patched.clone().model_size()
     assert comfy.model_management.LoadedModel(patched).model_memory() == weights + factor_bytes
+    assert patched.model_size() == weights + factor_bytes == patched.clone().model_size()
     assert plain.model_size() == weights
+
+    from comfyui_ernie_image.nodes.host.gguf_layers import FACTORS, lora_patch_bytes
+
+    assert lora_patch_bytes(plain) == 0 and lora_patch_bytes(patched) == factor_bytes > 0
 
     patched.load(GPU, full_load=True)
     layers = _patched_layers(patched)
