@@ -1,9 +1,9 @@
 """A LoRA on a GGUF DiT without the slowdown (``nodes/host/gguf_layers.py``): core's plain LoRA on a GGUF layer is
 held as its factors beside the blocks, on the device the layer loads to, added to the decoded weight as core's
-``calculate_weight`` adds it, with its scale a tensor: the pack's compile traces those blocks, and a new strength or
-another LoRA of the same ranks compiles nothing. The factors count in the patcher's size, whole or partial loads.
-Through the pack's MODEL, its LoRA node's patching and ComfyUI 0.3.75's own patcher and sampler, on the CPU; ``meta``
-stands in for the GPU where only placement counts."""
+``calculate_weight`` adds it (within the weight dtype's rounding), with its scale a tensor: the pack's compile traces
+those blocks, and a new strength or another LoRA of the same ranks compiles nothing. The factors count in the
+patcher's size, whole or partial loads. Through the pack's MODEL, its LoRA node's patching and ComfyUI 0.3.75's own
+patcher and sampler, on the CPU; ``meta`` stands in for the GPU where only placement counts."""
 
 from __future__ import annotations
 
@@ -55,10 +55,21 @@ def _patched_layers(patcher) -> dict[str, torch.nn.Module]:
             for key in patcher.patches}
 
 
-def test_a_plain_lora_is_added_to_each_decoded_weight_exactly_as_cores_calculate_weight(gguf_path):
+def _assert_as_cores(ours: torch.Tensor, cores: torch.Tensor, what) -> None:
+    """``ours`` within two roundings, in their dtype, of the largest of ``cores``' numbers: both round the LoRA's
+    change and the sum once to the dtype; ours makes the product in the dtype with the scale in ``up`` (rounded once
+    more), core makes it in float32 and scales it after, so single numbers may round the other way (one step), and a
+    change summed over stacked LoRAs by one more."""
+    limit = 2 * torch.finfo(cores.dtype).eps * cores.abs().max().item()
+    error = (ours.float() - cores.float()).abs().max().item()
+    assert ours.dtype == cores.dtype and error <= limit, (what, error, limit)
+
+
+def test_a_plain_lora_is_added_to_each_decoded_weight_as_cores_calculate_weight(gguf_path):
     """Two LoRAs stacked (kohya's with an alpha, at -1.3; ai-toolkit's at 0.7) on every block: each layer's decoded
-    weight is bit for bit what core's ``calculate_weight`` makes of the decoded weight (today's path), in float32 and
-    in bf16, and the layer no longer needs that per call. Unpatching gives back the DiT's outputs exactly."""
+    weight is what core's ``calculate_weight`` makes of the decoded weight (today's path) within its dtype's
+    rounding, in float32 and in bf16, and the layer no longer needs that per call. Unpatching gives back the DiT's
+    outputs exactly."""
     plain = _gguf_model(gguf_path)
     before = predict(plain)
     _, first = _lora(EVERY_BLOCK, seed=1, layout="kohya")
@@ -73,7 +84,7 @@ def test_a_plain_lora_is_added_to_each_decoded_weight_exactly_as_cores_calculate
             for dtype in (torch.float32, torch.bfloat16):
                 decoded = dequantize(layer.weight.data, layer.gguf_type, layer.gguf_shape, dtype)
                 cores = comfy.lora.calculate_weight(patched.patches[key], decoded, key)
-                assert torch.equal(layer.decoded_weight(dtype, CPU), cores), (key, dtype)
+                _assert_as_cores(layer.decoded_weight(dtype, CPU), cores, (key, dtype))
         assert (predict(patched) - before).abs().max() > 1e-2, "the LoRA changed nothing"
     finally:
         patched.unpatch_model(CPU)
@@ -81,8 +92,8 @@ def test_a_plain_lora_is_added_to_each_decoded_weight_exactly_as_cores_calculate
 
 
 def test_other_adapters_stay_with_cores_calculate_weight_at_each_call(gguf_path):
-    """A LoHa stacked on a LoRA in one layer: that layer goes through ``calculate_weight`` (as today), the others
-    take the factors; the model equals core's arithmetic on every decoded weight."""
+    """A LoHa stacked on a LoRA in one layer: that layer goes through ``calculate_weight`` (as today, exactly), the
+    others take the factors."""
     plain = _gguf_model(gguf_path)
     _, lora = _lora(EVERY_BLOCK, seed=1)
     patched = apply_lora(apply_lora(plain, lora, 0.5, "lora")[0], _loha("layers.0.mlp.up_proj", 128, 64), 1.0,
@@ -94,8 +105,11 @@ def test_other_adapters_stay_with_cores_calculate_weight_at_each_call(gguf_path)
         assert per_call == {"diffusion_model.layers.0.mlp.up_proj.weight"}
         for key, layer in layers.items():
             decoded = dequantize(layer.weight.data, layer.gguf_type, layer.gguf_shape, torch.float32)
-            assert torch.equal(layer.decoded_weight(torch.float32, CPU),
-                               comfy.lora.calculate_weight(patched.patches[key], decoded, key)), key
+            cores = comfy.lora.calculate_weight(patched.patches[key], decoded, key)
+            if key in per_call:
+                assert torch.equal(layer.decoded_weight(torch.float32, CPU), cores)
+            else:
+                _assert_as_cores(layer.decoded_weight(torch.float32, CPU), cores, key)
     finally:
         patched.unpatch_model(CPU)
 

@@ -16,9 +16,10 @@ true shape), so that core's model management moves, pins, sizes and streams them
 - **LoRA factors on the device**: where a loaded layer's patches are all core's plain LoRA (``host.lora``'s
   ``plain_lora_factors``), the new parameter carries their factors copied to the device the layer loads to, and the
   scale ``strength · alpha / rank`` as a float32 tensor there (``LoraFactors``); the layer adds ``scale · (up @
-  down)`` to the decoded weight as core's formula does. So the pack's compile traces the block with the LoRA, the
-  strength an input rather than a constant (a new strength compiles nothing), and no patch crosses the bus per
-  prompt (ComfyUI-GGUF's ``patch_on_device`` keeps them there too). Unlike there, the patcher counts them in the
+  down)`` to the decoded weight as core's formula does (the product in the weight's dtype: ``_add_factors``). So
+  the pack's compile traces the block with the LoRA, the strength an input rather than a constant (a new strength
+  compiles nothing), and no patch crosses the bus per prompt (ComfyUI-GGUF's ``patch_on_device`` keeps them there
+  too). Unlike there, the patcher counts them in the
   layer's and the model's size (``lora_patch_bytes``), so core plans its loads with room for them. Other adapters
   (LoHa, LoKr, DoRA, diffs) stay on the CPU and go through core's ``calculate_weight`` at each call, eager.
 
@@ -57,11 +58,14 @@ class LoraFactors(NamedTuple):
 
 
 def _add_factors(weight: torch.Tensor, factors: tuple[LoraFactors, ...]) -> torch.Tensor:
-    """``weight`` with each LoRA added as core's ``LoRAAdapter.calculate_weight`` adds it: the product in float32,
-    scaled, cast to the weight's dtype, added."""
+    """``weight`` with each LoRA's ``scale · (up @ down)`` added, in turn. Core's ``LoRAAdapter.calculate_weight``
+    makes the product in float32, scales it and rounds it to the weight's dtype; here the scale goes into ``up`` (in
+    float32, ``rank`` columns) and the product is made in the weight's dtype, as the layer's own matrix product is:
+    on a GPU the tensor cores make it, and the [out, in] product is written and read in bf16, not float32 (at true
+    size that is most of what a LoRA adds to a step). Both round the change once to the weight's dtype."""
     for up, down, scale in factors:
-        change = torch.mm(up.to(weight.device, torch.float32), down.to(weight.device, torch.float32))
-        weight = weight + (scale.to(weight.device) * change).to(weight.dtype)
+        scaled_up = (scale.to(weight.device) * up.to(weight.device, torch.float32)).to(weight.dtype)
+        weight = weight + torch.mm(scaled_up, down.to(weight.device, weight.dtype))
     return weight
 
 
