@@ -91,6 +91,25 @@ def test_a_plain_lora_is_added_to_each_decoded_weight_as_cores_calculate_weight(
     torch.testing.assert_close(predict(plain), before, rtol=0, atol=0)
 
 
+def test_in_half_precision_a_large_up_factor_with_a_small_change_stays_finite(gguf_path):
+    """A LoRA whose ``up`` holds numbers past half precision's range (2e5) and whose ``down`` is tiny (1e-6), so that
+    its change is small (the LoRA node lets it through): in fp16 the layer still adds what core adds, finite (the
+    product in float32 there), where the scale folded into ``up`` in fp16 would be infinite. A guard of the new path:
+    today's path (core's float32 product) passes it too."""
+    plain = _gguf_model(gguf_path)
+    deltas = {layer: (down * 1e-6, up * 2e5) for layer, (down, up) in lora_helpers.deltas(EVERY_BLOCK[:2], 5).items()}
+    patched = apply_lora(plain, lora_helpers.lora_file("ai-toolkit", deltas), 1.0, "wide")[0]
+    patched.patch_model()
+    try:
+        for key, layer in _patched_layers(patched).items():
+            decoded = dequantize(layer.weight.data, layer.gguf_type, layer.gguf_shape, torch.float16)
+            ours = layer.decoded_weight(torch.float16, CPU)
+            assert torch.isfinite(ours).all(), key
+            _assert_as_cores(ours, comfy.lora.calculate_weight(patched.patches[key], decoded, key), key)
+    finally:
+        patched.unpatch_model(CPU)
+
+
 def test_other_adapters_stay_with_cores_calculate_weight_at_each_call(gguf_path):
     """A LoHa stacked on a LoRA in one layer: that layer goes through ``calculate_weight`` (as today, exactly), the
     others take the factors."""

@@ -62,10 +62,12 @@ def _add_factors(weight: torch.Tensor, factors: tuple[LoraFactors, ...]) -> torc
     makes the product in float32, scales it and rounds it to the weight's dtype; here the scale goes into ``up`` (in
     float32, ``rank`` columns) and the product is made in the weight's dtype, as the layer's own matrix product is:
     on a GPU the tensor cores make it, and the [out, in] product is written and read in bf16, not float32 (at true
-    size that is most of what a LoRA adds to a step). Both round the change once to the weight's dtype."""
+    size that is most of what a LoRA adds to a step). Both round the change once to the weight's dtype. Half
+    precision's narrow range (a scaled ``up`` past 65504 where the change itself is small) keeps float32."""
+    dtype = torch.float32 if weight.dtype == torch.float16 else weight.dtype
     for up, down, scale in factors:
-        scaled_up = (scale.to(weight.device) * up.to(weight.device, torch.float32)).to(weight.dtype)
-        weight = weight + torch.mm(scaled_up, down.to(weight.device, weight.dtype))
+        scaled_up = (scale.to(weight.device) * up.to(weight.device, torch.float32)).to(dtype)
+        weight = weight + torch.mm(scaled_up, down.to(weight.device, dtype)).to(weight.dtype)
     return weight
 
 
