@@ -19,9 +19,9 @@ true shape), so that core's model management moves, pins, sizes and streams them
   down)`` to the decoded weight as core's formula does (the product in the weight's dtype: ``_add_factors``). So
   the pack's compile traces the block with the LoRA, the strength an input rather than a constant (a new strength
   compiles nothing), and no patch crosses the bus per prompt (ComfyUI-GGUF's ``patch_on_device`` keeps them there
-  too). Unlike there, the patcher counts them in the
-  layer's and the model's size (``lora_patch_bytes``), so core plans its loads with room for them. Other adapters
-  (LoHa, LoKr, DoRA, diffs) stay on the CPU and go through core's ``calculate_weight`` at each call, eager.
+  too). Unlike there, the patcher counts them in the layer's and the model's size (``lora_patch_bytes``), so core
+  plans its loads with room for them. Other adapters (LoHa, LoKr, DoRA, diffs) stay on the CPU and go through core's
+  ``calculate_weight`` at each call, eager.
 
 Weights read from the file as plain numbers (norms, biases, an F16 layer) are held as computed, in core's layers
 as usual. The patcher is core's classic one, also where the core has dynamic VRAM (not tried with GGUF).

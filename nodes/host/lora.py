@@ -154,9 +154,10 @@ def plain_lora_factors(entries: list, shape: tuple[int, ...]) -> list[tuple[torc
     """Core's patch entries for one linear weight of ``shape`` (``ModelPatcher.patches[key]``) as ``(up, down,
     scale)`` triples, where core's ``calculate_weight`` adds ``scale · (up @ down)`` for each in turn (in float32, cast
     to the weight's dtype): when every entry is core's plain LoRA (``LoRAAdapter``: no LoCon middle, DoRA scale or
-    padding) added at the weight's own scale (``strength_model`` 1, no offset or function), its two factors matrices
-    of the weight's rows and columns. None for anything else (LoHa, LoKr, DoRA, diffs, stacked models' lists …), which
-    stays with ``calculate_weight``. The scale is core's ``strength · (alpha / rank)``, in its order of operations."""
+    padding) added at the weight's own scale (``strength_model`` 1, no offset or function), with factors of the
+    weight's shape ([out, rank] and [rank, in], rank > 0). None for anything else (LoHa, LoKr, DoRA, diffs, stacked
+    models' lists …), which stays with ``calculate_weight``. The scale is core's ``strength · (alpha / rank)``, in its
+    order of operations."""
     if len(shape) != 2:
         return None
     triples = []
