@@ -149,11 +149,10 @@ def test_a_lora_on_streamed_layers_and_its_removal(gguf_file):
     torch.testing.assert_close(predict(base), before, rtol=0, atol=0)
 
 
-def test_compiled_it_samples_as_eager_and_blocks_with_a_lora_stay_eager(tmp_path):
+def test_compiled_it_samples_as_eager(tmp_path):
     """The GGUF layers under the pack's regional compile (where the whole DiT is on the GPU the loader compiles it
-    by default): the decode is traced with the block. A LoRA is applied to the decoded weight at each call, its
-    strength a constant to dynamo, so blocks with one run eager: a new strength compiles nothing. One file, of mixed
-    types (Q4_K, Q6_K, F32)."""
+    by default): the decode is traced with the block. One file, of mixed types (Q4_K, Q6_K, F32). With a LoRA:
+    ``test_lora_gguf_compiled``."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -164,17 +163,7 @@ def test_compiled_it_samples_as_eager_and_blocks_with_a_lora_stay_eager(tmp_path
     plain, turbo = _gguf_model(path), dict(steps=2, cfg=1.0)
     eager = sample(plain, **turbo)
     torch.testing.assert_close(sample(apply_compile(plain, "default"), **turbo), eager, rtol=1e-4, atol=1e-4)
-    graphs = counters["stats"]["unique_graphs"]
-    assert graphs > 0, "nothing was compiled"
-
-    deltas, lora = _lora_file(tuple(f"layers.{i}.mlp.up_proj" for i in range(TINY_DIT["num_layers"])))
-    for strength in (0.7, 0.3):
-        patched = apply_lora(plain, lora, strength, "tiny.safetensors")[0]
-        compiled = sample(apply_compile(patched, "default"), **turbo)
-        torch.testing.assert_close(compiled, sample(_merged_reference(path, deltas, strength), **turbo),
-                                   rtol=1e-4, atol=1e-5)
-    assert counters["stats"]["unique_graphs"] == graphs, "a LoRA's strength was compiled into a graph"
-    torch.testing.assert_close(sample(apply_compile(plain, "default"), **turbo), eager, rtol=1e-4, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
 
 
 def test_the_out_of_memory_advice_offers_gguf_to_a_plain_dit_only(tmp_path):

@@ -10,8 +10,10 @@ single pass, one for batched CFG). Installing sets the blocks' ``_compiled_call_
 ComfyUI's partial loading (a card too small for the DiT) leaves some layers' weights off the GPU, cast per call.
 Those blocks run eager: they wait on the copies anyway, and each pattern of streamed layers would be a graph of its
 own, compiled again whenever a new prompt loads a different part (seconds per prompt on a 16 GB card). A GGUF DiT's
-blocks compile with their decode (inductor fuses it); those with a LoRA, applied to the decoded weight at each call,
-run eager too.
+blocks compile with their decode (inductor fuses it), and with a plain LoRA added to the decoded weight: its factors
+and its scale are tensors the layer holds on the device, inputs to the graph, so a new strength, or another LoRA of
+the same ranks, compiles nothing. Blocks with other adapters (LoHa, LoKr, DoRA, diffs), which core's
+``calculate_weight`` applies at each call with the strength a Python number, run eager (``patches_per_call``).
 """
 
 from __future__ import annotations
@@ -159,7 +161,7 @@ def _on(tensor: torch.Tensor, device: torch.device) -> bool:
 
 def streams_weights(block: torch.nn.Module, device: torch.device) -> bool:
     """Whether some layer of ``block`` has its weight off ``device`` or patched per call (ComfyUI's partial loading,
-    or a LoRA on a layer that decodes its weight per call: a GGUF layer's ``patches_per_call``)."""
+    or an adapter core applies per call to a layer that decodes its weight: a GGUF layer's ``patches_per_call``)."""
     return not all(_on(t, device) for t in block.parameters()) or any(
         getattr(m, "weight_function", None) or getattr(m, "bias_function", None)
         or getattr(m, "patches_per_call", False) for m in block.modules())

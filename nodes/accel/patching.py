@@ -195,7 +195,8 @@ def _say_compiled(compiled: int, blocks: int, dynamic: bool, fp8: str | None = N
                "before the sampler gives it a copy ComfyUI keeps on the GPU (as ComfyUI's own compile node does), "
                "or start ComfyUI with --disable-dynamic-vram")
     elif compiled < blocks:
-        why = "the others' weights stream from the CPU (ComfyUI loaded the DiT in part) and run eager"
+        why = ("the others run eager: their weights stream from the CPU (ComfyUI loaded the DiT in part), or a GGUF "
+               "layer of theirs takes a LoRA adapter core applies at each call (LoHa, LoKr, DoRA, a diff)")
     else:
         why = ""
     level = logging.WARNING if dynamic or fp8 else logging.INFO

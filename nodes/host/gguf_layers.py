@@ -13,6 +13,15 @@ true shape), so that core's model management moves, pins, sizes and streams them
   the patches, the original kept as core's backup: every way core restores a weight (unpatching, partial unloading)
   takes the patches off with it. A streamed layer gets core's own ``LowVramPatch`` in its ``weight_function``, which
   the layer applies to the decoded weight, as core's cast path does.
+- **LoRA factors on the device**: where a loaded layer's patches are all core's plain LoRA (``host.lora``'s
+  ``plain_lora_factors``), the new parameter carries their factors copied to the device the layer loads to, and the
+  scale ``strength · alpha / rank`` as a float32 tensor there (``LoraFactors``); the layer adds ``scale · (up @
+  down)`` to the decoded weight as core's formula does (the product in the weight's dtype: ``_add_factors``). So
+  the pack's compile traces the block with the LoRA, the strength an input rather than a constant (a new strength
+  compiles nothing), and no patch crosses the bus per prompt (ComfyUI-GGUF's ``patch_on_device`` keeps them there
+  too). Unlike there, the patcher counts them in the layer's and the model's size (``lora_patch_bytes``), so core
+  plans its loads with room for them. Other adapters (LoHa, LoKr, DoRA, diffs) stay on the CPU and go through core's
+  ``calculate_weight`` at each call, eager.
 
 Weights read from the file as plain numbers (norms, biases, an F16 layer) are held as computed, in core's layers
 as usual. The patcher is core's classic one, also where the core has dynamic VRAM (not tried with GGUF).
@@ -21,6 +30,7 @@ as usual. The patcher is core's classic one, also where the core has dynamic VRA
 from __future__ import annotations
 
 import collections
+from typing import NamedTuple
 
 import comfy.lora
 import comfy.model_management as mm
@@ -31,9 +41,34 @@ import torch
 import torch.nn.functional as F
 
 from ..gguf.dequant import dequantize
+from .lora import plain_lora_factors
 
 _Backup = collections.namedtuple("Dimension", ["weight", "inplace_update"])  # core's backup record, as it makes them
 PATCHES = "gguf_patches"  # the attribute of a patched weight parameter: (core's patch list, its key)
+FACTORS = "gguf_lora_factors"  # the attribute of a patched weight parameter: its LoraFactors, on the device
+
+
+class LoraFactors(NamedTuple):
+    """One plain LoRA on a GGUF weight, as the layer adds it: ``scale · (up @ down)``; ``scale`` is a 0-d float32
+    tensor, so that dynamo takes the strength as an input."""
+
+    up: torch.Tensor  # [out, rank], as the file stores it
+    down: torch.Tensor  # [rank, in]
+    scale: torch.Tensor
+
+
+def _add_factors(weight: torch.Tensor, factors: tuple[LoraFactors, ...]) -> torch.Tensor:
+    """``weight`` with each LoRA's ``scale · (up @ down)`` added, in turn. Core's ``LoRAAdapter.calculate_weight``
+    makes the product in float32, scales it and rounds it to the weight's dtype; here the scale goes into ``up`` (in
+    float32, ``rank`` columns) and the product is made in the weight's dtype, as the layer's own matrix product is:
+    on a GPU the tensor cores make it, and the [out, in] product is written and read in bf16, not float32 (at true
+    size that is most of what a LoRA adds to a step). Both round the change once to the weight's dtype. Half
+    precision's narrow range (a scaled ``up`` past 65504 where the change itself is small) keeps float32."""
+    dtype = torch.float32 if weight.dtype == torch.float16 else weight.dtype
+    for up, down, scale in factors:
+        scaled_up = (scale.to(weight.device) * up.to(weight.device, torch.float32)).to(dtype)
+        weight = weight + torch.mm(scaled_up, down.to(weight.device, dtype)).to(weight.dtype)
+    return weight
 
 
 def _every_op() -> None:
@@ -56,20 +91,36 @@ class GGUFLinear(comfy.ops.disable_weight_init.Linear):
 
     @property
     def patches_per_call(self) -> bool:
-        """Whether a LoRA is applied to the decoded weight at each call: the pack's compile leaves such a block
+        """Whether a LoRA reaches the decoded weight through core's ``calculate_weight`` at each call (adapters
+        other than plain LoRA), or from another device than the blocks': the pack's compile leaves such a block
         eager, as core's streamed layers (a patch's strength is a constant to dynamo: each one would recompile)."""
-        return getattr(self.weight, PATCHES, None) is not None
+        factors = getattr(self.weight, FACTORS, ())
+        return (getattr(self.weight, PATCHES, None) is not None
+                or any(t.device != self.weight.device for f in factors for t in f))
 
     def decoded_weight(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The weight on ``device`` in ``dtype``, with the LoRA patches core gave it."""
         blocks = self.weight.to(device, non_blocking=mm.device_supports_non_blocking(device))
         weight = dequantize(blocks, self.gguf_type, self.gguf_shape, dtype)
+        factors = getattr(self.weight, FACTORS, None)
+        if factors is not None:
+            weight = _add_factors(weight, factors)
         patches = getattr(self.weight, PATCHES, None)
         if patches is not None:
             weight = comfy.lora.calculate_weight(patches[0], weight, patches[1])
         for function in self.weight_function:  # core's LowVramPatch on a streamed layer
             weight = function(weight)
         return weight
+
+    def _apply(self, fn, *args, **kwargs):
+        """``Module._apply`` (``.to()``, as core moves a layer), keeping the patches on the weight: torch keeps the
+        parameter object only where the devices' tensors are alike (CPU and CUDA, not ``meta``; and not with
+        ``torch.__future__``'s overwrite of parameters on conversion)."""
+        carried = {name: getattr(self.weight, name) for name in (PATCHES, FACTORS) if hasattr(self.weight, name)}
+        module = super()._apply(fn, *args, **kwargs)
+        for name, value in carried.items():
+            setattr(self.weight, name, value)
+        return module
 
     def forward(self, input: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if self.gguf_type is None:
@@ -103,19 +154,72 @@ def held_types(module: torch.nn.Module) -> collections.Counter:
     return collections.Counter(layer.gguf_type for layer in module.modules() if getattr(layer, "gguf_type", None))
 
 
+def _gguf_layer(model: torch.nn.Module, key: str) -> GGUFLinear | None:
+    """The GGUF layer whose weight ``key`` names, or None."""
+    layer_name, _, name = key.rpartition(".")
+    layer = comfy.utils.get_attr(model, layer_name) if name == "weight" else None
+    return layer if getattr(layer, "gguf_type", None) is not None else None
+
+
+def _factor_bytes(patcher: comfy.model_patcher.ModelPatcher, key: str) -> int:
+    """The bytes of the LoRA factors the weight ``key`` holds on the device once loaded (0: none there)."""
+    layer = _gguf_layer(patcher.model, key)
+    triples = plain_lora_factors(patcher.patches[key], layer.gguf_shape) if layer is not None else None
+    return sum(up.nbytes + down.nbytes for up, down, _ in triples or ())
+
+
+def lora_patch_bytes(patcher: comfy.model_patcher.ModelPatcher) -> int:
+    """The bytes of the LoRA factors a GGUF DiT's patcher loads beside its blocks (the 4-byte scales aside), which
+    its ``model_size()`` counts; 0 without a LoRA, or for a patcher of another DiT."""
+    if not isinstance(patcher, GGUFModelPatcher):
+        return 0
+    return sum(_factor_bytes(patcher, key) for key in patcher.patches)
+
+
 class GGUFModelPatcher(comfy.model_patcher.ModelPatcher):
     """Core's patcher, but a LoRA patch on a GGUF weight is kept beside its blocks and applied to the decoded weight
-    at each call, not merged into the blocks (core's merge would add the LoRA to the bytes)."""
+    at each call, not merged into the blocks (core's merge would add the LoRA to the bytes); a plain LoRA's factors
+    load with the layer and count in its size."""
+
+    def model_size(self) -> int:
+        return super().model_size() + lora_patch_bytes(self)
+
+    def clone(self, *args, **kwargs):
+        clone = super().clone(*args, **kwargs)
+        clone.size = super().model_size()  # the weights alone (core hands a clone its size): each adds its own LoRA
+        return clone
+
+    def _load_list(self, *args, **kwargs):
+        """Core's list of the layers to load, each GGUF layer's size with its LoRA factors: core's budget for a
+        partial load, and its count of the memory loaded, hold them. Its items end ``(…, module_mem, name, module,
+        params)`` in 0.3.75 and later cores alike."""
+        loading = super()._load_list(*args, **kwargs)
+        extra = collections.Counter()
+        for key in self.patches:
+            extra[key.rpartition(".")[0]] += _factor_bytes(self, key)
+        for i, item in enumerate(loading):
+            if extra.get(item[-3]):
+                values = list(item)
+                values[-4] += extra[item[-3]]
+                loading[i] = item._make(values) if hasattr(item, "_make") else tuple(values)
+        return loading
 
     def patch_weight_to_device(self, key, device_to=None, inplace_update=False, **kwargs):
-        layer_name, _, name = key.rpartition(".")
-        layer = comfy.utils.get_attr(self.model, layer_name) if key in self.patches else None
-        if name != "weight" or getattr(layer, "gguf_type", None) is None:
+        layer = _gguf_layer(self.model, key) if key in self.patches else None
+        if layer is None:
             return super().patch_weight_to_device(key, device_to, inplace_update, **kwargs)
         # Outside inference mode: a parameter made inside it could not be moved to another device later.
         with torch.inference_mode(False):
             if key not in self.backup:
                 self.backup[key] = _Backup(layer.weight, False)
-            patched = torch.nn.Parameter(self.backup[key].weight.data, requires_grad=False)  # the same blocks
-            setattr(patched, PATCHES, (self.patches[key], key))
+            blocks = self.backup[key].weight.data
+            patched = torch.nn.Parameter(blocks, requires_grad=False)  # the same blocks
+            triples = plain_lora_factors(self.patches[key], layer.gguf_shape)
+            if triples is None:
+                setattr(patched, PATCHES, (self.patches[key], key))
+            else:
+                device = blocks.device if device_to is None else device_to
+                setattr(patched, FACTORS, tuple(
+                    LoraFactors(up.to(device), down.to(device), torch.tensor(scale, dtype=torch.float32, device=device))
+                    for up, down, scale in triples))
             layer.weight = patched

@@ -9,6 +9,7 @@ import math
 
 import comfy.lora
 import comfy.lora_convert
+import comfy.weight_adapter
 import torch
 
 
@@ -147,3 +148,29 @@ def largest_change(patch, strength: float) -> float | None:
     else:
         return None
     return abs(strength) * change
+
+
+def plain_lora_factors(entries: list, shape: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor, float]] | None:
+    """Core's patch entries for one linear weight of ``shape`` (``ModelPatcher.patches[key]``) as ``(up, down,
+    scale)`` triples, where core's ``calculate_weight`` adds ``scale · (up @ down)`` for each in turn (in float32, cast
+    to the weight's dtype): when every entry is core's plain LoRA (``LoRAAdapter``: no LoCon middle, DoRA scale or
+    padding) added at the weight's own scale (``strength_model`` 1, no offset or function), with factors of the
+    weight's shape ([out, rank] and [rank, in], rank > 0). None for anything else (LoHa, LoKr, DoRA, diffs, stacked
+    models' lists …), which stays with ``calculate_weight``. The scale is core's ``strength · (alpha / rank)``, in its
+    order of operations."""
+    if len(shape) != 2:
+        return None
+    triples = []
+    for entry in entries:
+        if len(entry) != 5:
+            return None
+        strength, adapter, strength_model, offset, function = entry  # as 0.3.75's add_patches appends them
+        if (type(adapter) is not comfy.weight_adapter.LoRAAdapter or strength_model != 1.0 or offset is not None
+                or function is not None or len(adapter.weights) != 6):
+            return None
+        up, down, alpha, mid, dora_scale, reshape = adapter.weights
+        if (mid is not None or dora_scale is not None or reshape is not None or up.dim() != 2 or down.dim() != 2
+                or down.shape[0] == 0 or up.shape[1] != down.shape[0] or (up.shape[0], down.shape[1]) != tuple(shape)):
+            return None
+        triples.append((up, down, strength * (alpha / down.shape[0] if alpha is not None else 1.0)))
+    return triples
