@@ -71,11 +71,15 @@ def is_dynamic(patcher) -> bool:
     return bool(getattr(patcher, "is_dynamic", lambda: False)())
 
 
-def dynamic_vram() -> bool:
+def core_has_dynamic_vram() -> bool:
     """Whether the running core manages models with dynamic VRAM (its ``CoreModelPatcher`` is not the classic
-    ModelPatcher) and ``ERNIE_IMAGE_DYNAMIC_VRAM=on`` asks the pack to use it for the DiT."""
-    core = getattr(comfy.model_patcher, "CoreModelPatcher", ModelPatcher)
-    return core is not ModelPatcher and os.environ.get(DYNAMIC_VRAM_ENV, "off").strip().lower() == "on"
+    ModelPatcher)."""
+    return getattr(comfy.model_patcher, "CoreModelPatcher", ModelPatcher) is not ModelPatcher
+
+
+def dynamic_vram() -> bool:
+    """Whether the core has dynamic VRAM and ``ERNIE_IMAGE_DYNAMIC_VRAM=on`` asks the pack to use it for the DiT."""
+    return core_has_dynamic_vram() and os.environ.get(DYNAMIC_VRAM_ENV, "off").strip().lower() == "on"
 
 
 def dit_patcher_class(resident: bool, subclass_weights: bool = False) -> type:

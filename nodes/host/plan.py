@@ -18,6 +18,7 @@ import comfy.model_management as mm
 import torch
 
 from .memory import usable_memory
+from .patchers import core_has_dynamic_vram, is_dynamic
 
 # Core's flags that fix where models go, as its VRAMState says (model_management.py).
 PLACEMENT_FLAGS = {"gpu_only": "--gpu-only", "highvram": "--highvram", "lowvram": "--lowvram", "novram": "--novram",
@@ -25,8 +26,12 @@ PLACEMENT_FLAGS = {"gpu_only": "--gpu-only", "highvram": "--highvram", "lowvram"
 
 
 def placement_fixed(device: torch.device) -> str | None:
-    """Why core's own placement applies here (a flag, or a device that is not a CUDA GPU); None: the pack plans."""
+    """Why core's own placement applies here (a flag, or a device that is not a CUDA GPU); None: the pack plans.
+    ``--lowvram`` changes nothing where core streams models with dynamic VRAM (its help says so; core then loads as in
+    normal mode: docs/comfyui-compat.md), so the pack plans there."""
     for flag, words in PLACEMENT_FLAGS.items():
+        if flag == "lowvram" and core_has_dynamic_vram():
+            continue
         if getattr(comfy.cli_args.args, flag, False):
             return words
     if not mm.is_device_cuda(device):
@@ -35,10 +40,12 @@ def placement_fixed(device: torch.device) -> str | None:
 
 
 def _loaded_on(device: torch.device) -> int:
-    """Bytes the models core has loaded hold on ``device`` (core unloads them when another model needs the room)."""
+    """Bytes the models core has loaded hold on ``device`` (core unloads them when another model needs the room).
+    Dynamic models' pages are left out: core's free memory counts them already (``ModelPatcher.get_free_memory``,
+    model_patcher.py @08d0e510)."""
     held = 0
     for loaded in mm.current_loaded_models:
-        if loaded.device == device:
+        if loaded.device == device and not is_dynamic(loaded.model):
             held += int(loaded.model_loaded_memory())
     return held
 

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import comfy.model_management as mm
 import comfy.utils
 import torch
@@ -53,7 +55,10 @@ def make_room(size: int, device: torch.device) -> None:
     """Unload models from ``device`` until ``size`` bytes and core's reserve (``--reserve-vram``) are free there, as
     core makes room before a load; nothing on the CPU."""
     if device.type != "cpu":
-        mm.free_memory(size + mm.extra_reserved_memory(), device)
+        # Current cores count dynamic models' pages as room when asked (``for_dynamic``, model_management.py
+        # @02b2b388): a resident classic model is then unloaded only when they are not enough.
+        dynamic = {"for_dynamic": True} if "for_dynamic" in inspect.signature(mm.free_memory).parameters else {}
+        mm.free_memory(size + mm.extra_reserved_memory(), device, **dynamic)
 
 
 def unload(patcher: ModelPatcher) -> None:
