@@ -42,7 +42,7 @@ from .plan.describe import (
     vae_record,
 )
 from .plan.planner import GIB, BelowFloor, Card, Plan, plan
-from .plan.records import CPU, PER_PROMPT, PROMPT_ENHANCER, RESIDENT, TEXT_ENCODER, LoadRecord
+from .plan.records import CPU, PER_PROMPT, PROMPT_ENHANCER, RESIDENT, TEXT_ENCODER, LoadRecord, LoraSet
 from .plan.session import AUTO
 from .quant.capability import FP8_MIN_ARCH, probe
 from .quant.saved import weight_files
@@ -133,7 +133,7 @@ def wanted(prompt: Mapping) -> Wanted:
             steps = _value(inputs, "steps", 8)
             if isinstance(steps, int) and steps > 0:
                 found["steps"] = steps
-        if kind in ("KSampler", "KSamplerAdvanced", "CFGGuider"):
+        if kind in ("KSampler", "KSamplerAdvanced", "CFGGuider", "SamplerCustom"):
             cfg = _value(inputs, "cfg", 1.0)
             found["forwards"] = 2 if isinstance(cfg, int | float) and cfg != 1.0 else 1
         if kind == "ErnieImagePromptEnhance":
@@ -192,7 +192,7 @@ def _places(device_choice: str, device: torch.device) -> tuple[str, ...] | None:
     return ()
 
 
-def records(want: Wanted, device: torch.device) -> tuple[list[LoadRecord], object]:
+def records(want: Wanted, device: torch.device) -> tuple[list[LoadRecord], LoraSet | None]:
     """The load records of the graph's models (headers only) and its LoRA set."""
     floor = working_floor()
     found: list[LoadRecord] = []
@@ -202,14 +202,11 @@ def records(want: Wanted, device: torch.device) -> tuple[list[LoadRecord], objec
         gguf = is_gguf(path)
         tensors = _tensors(path) if gguf else [t for f in weight_files(path) if f.suffix == ".safetensors"
                                                for t in _tensors(f)]
-        kinds: dict[str, int] = {}
-        for t in (read_gguf(path).tensors.values() if gguf else ()):
-            kinds[t.kind] = kinds.get(t.kind, 0) + t.nbytes
         facts = probe(device)
         fixed = None if quantization == AUTO or gguf else f"{quantization}/{weight_dtype}"
         pixels = want.latent[0] * want.latent[-2] * want.latent[-1] / (LATENT_1024[-2] * LATENT_1024[-1])
         working = max(floor, step_estimate(ErnieImageConfig, want.latent, torch.bfloat16))
-        found.append(dit_record(str(path), tensors, gguf_type=dominant_gguf_type(kinds) if gguf else None,
+        found.append(dit_record(str(path), tensors, gguf_type=dominant_gguf_type(tensors) if gguf else None,
                                 fp8_matmul=facts.torchao and facts.arch is not None and facts.arch >= FP8_MIN_ARCH,
                                 runs=want.steps * want.forwards, working=working, fixed=fixed,
                                 compute_scale=pixels * (COMPILED if compiles else 1.0),

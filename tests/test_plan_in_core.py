@@ -201,3 +201,25 @@ def test_without_a_plan_an_out_of_memory_is_not_retried_injected_oom(tiny_models
     with OutOfMemoryOnce() as fault, pytest.raises(torch.OutOfMemoryError, match="ERNIE-Image: "):
         sample(model, steps=1, cfg=1.0)
     assert fault.raised == 1
+
+
+@pytest.mark.parametrize(("twin", "steps", "forwards", "pe_tokens"), [("ernie_image_pe_local", 8, 1, 2048),
+                                                                       ("ernie_image_base", 50, 2, None)])
+def test_the_graph_is_read_for_its_models_and_the_prompts_size(comfy_paths, tiny_models, twin, steps, forwards,
+                                                               pe_tokens):
+    """A shipped workflow's graph (its API twin) on the tiny snapshot: the all-in-one loader's DiT, text encoder, VAE
+    and, where the graph enhances prompts, its PE; the steps, CFG's second pass, the PE's new tokens and the latent."""
+    from comfyui_ernie_image.nodes import planning
+
+    prompt = json.loads((REPO / "tests" / "workflows" / f"{twin}.json").read_text())
+    snapshot = tiny_models["snapshot"]
+    for node in prompt.values():
+        if node["class_type"] == "ErnieImageLoader":
+            node["inputs"]["model_name"] = f"diffusers/{snapshot.name}"
+    want = planning.wanted(prompt)
+    assert want.dit[0] == snapshot and want.text[:2] == (snapshot, True)
+    assert want.vae == snapshot / "vae" / "diffusion_pytorch_model.safetensors"
+    assert (want.pe is not None) == (pe_tokens is not None) and (want.pe is None or want.pe[0] == snapshot / "pe")
+    assert (want.steps, want.forwards, want.latent) == (steps, forwards, (1, 128, 64, 64))
+    if pe_tokens:
+        assert want.pe_tokens == pe_tokens

@@ -24,11 +24,12 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 @dataclass(frozen=True)
 class Tensor:
     """One tensor as a header declares it: ``name``, ``shape``, and ``stored`` bytes where it stays as stored (a
-    GGUF block type, an fp8 weight); None where it is held in the compute dtype."""
+    GGUF block type, an fp8 weight); None where it is held in the compute dtype. ``kind``: its GGUF type."""
 
     name: str
     shape: tuple[int, ...]
     stored: int | None = None
+    kind: str | None = None
 
     @property
     def numel(self) -> int:
@@ -90,12 +91,15 @@ def safetensors_tensor(name: str, shape: tuple[int, ...], dtype: str) -> Tensor:
 
 def gguf_tensor(name: str, shape: tuple[int, ...], kind: str, nbytes: int) -> Tensor:
     """A GGUF header entry: block types stay as stored in linear layers; plain types are decoded to bf16."""
-    return Tensor(name, shape, nbytes if kind in BLOCKS else None)
+    return Tensor(name, shape, nbytes if kind in BLOCKS else None, kind)
 
 
-def dominant_gguf_type(kinds: dict[str, int]) -> str:
+def dominant_gguf_type(tensors: Iterable[Tensor]) -> str:
     """The block type holding most of a file's bytes (``Q4_K`` for a Q4_K_M file that keeps some in ``Q6_K``)."""
-    blocks = {k: n for k, n in kinds.items() if k in BLOCKS}
+    blocks: dict[str, int] = defaultdict(int)
+    for tensor in tensors:
+        if tensor.kind in BLOCKS and tensor.stored is not None:
+            blocks[tensor.kind] += tensor.stored
     return max(blocks, key=blocks.get) if blocks else "F16"
 
 
