@@ -223,3 +223,19 @@ def test_the_graph_is_read_for_its_models_and_the_prompts_size(comfy_paths, tiny
     assert (want.steps, want.forwards, want.latent) == (steps, forwards, (1, 128, 64, 64))
     if pe_tokens:
         assert want.pe_tokens == pe_tokens
+
+
+@pytest.mark.parametrize("flag", ["gpu_only", "highvram", "lowvram", "novram"])
+def test_under_a_placement_flag_core_places_the_models_on_a_faked_10gb_card(card, true_size_files, monkeypatch, flag,
+                                                                            caplog):
+    import comfy.cli_args
+
+    from comfyui_ernie_image.nodes import planning
+
+    card(10)
+    monkeypatch.setattr(comfy.cli_args.args, flag, True)
+    planning._said.clear()
+    with caplog.at_level(logging.INFO):
+        assert planning.make_plan(_gguf_graph()) is None
+    words = f"--{flag.replace('_', '-')}: models are placed as ComfyUI places them (no memory plan)"
+    assert any(words in r.getMessage() for r in caplog.records)
