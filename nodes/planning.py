@@ -26,6 +26,7 @@ from .gguf.reader import read_gguf
 from .host.memory import torch_device
 from .host.plan import pinnable, placement_fixed, step_estimate, usable_for_models, working_floor
 from .host.probe import costs_here
+from .host.sampling import Interrupted
 from .ministral_file import IGNORED, LM_HEADS
 from .model_files import is_gguf, read_folder_headers, read_header
 from .paths import model_file_path
@@ -192,43 +193,67 @@ def _places(device_choice: str, device: torch.device) -> tuple[str, ...] | None:
     return ()
 
 
-def records(want: Wanted, device: torch.device) -> tuple[list[LoadRecord], LoraSet | None]:
-    """The load records of the graph's models (headers only) and its LoRA set."""
-    floor = working_floor()
-    found: list[LoadRecord] = []
+def _dit(want: Wanted, device: torch.device, floor: int) -> LoadRecord:
+    path, quantization, weight_dtype = want.dit
+    gguf = is_gguf(path)
+    tensors = _tensors(path) if gguf else [t for f in weight_files(path) if f.suffix == ".safetensors"
+                                           for t in _tensors(f)]
+    facts = probe(device)
     compiles = compiles_by_default(device)
+    pixels = want.latent[0] * want.latent[-2] * want.latent[-1] / (LATENT_1024[-2] * LATENT_1024[-1])
+    return dit_record(str(path), tensors, gguf_type=dominant_gguf_type(tensors) if gguf else None,
+                      fp8_matmul=facts.torchao and facts.arch is not None and facts.arch >= FP8_MIN_ARCH,
+                      runs=want.steps * want.forwards,
+                      working=max(floor, step_estimate(ErnieImageConfig, want.latent, torch.bfloat16)),
+                      fixed=None if quantization == AUTO or gguf else f"{quantization}/{weight_dtype}",
+                      compute_scale=pixels * (COMPILED if compiles else 1.0),
+                      eager_factor=1 / COMPILED if compiles else 1.0)
+
+
+def _language_model_record(role: str, want: Wanted, device: torch.device, floor: int) -> LoadRecord | None:
+    if role == TEXT_ENCODER:
+        path, snapshot, device_choice, weight_dtype = want.text
+        where, lm_head = (path / "text_encoder" if snapshot else path), False
+    else:
+        path, device_choice, weight_dtype = want.pe
+        where, lm_head = path, True
+    places = _places(device_choice, device)
+    if places == ():
+        return None  # on another GPU: not this card's
+    streams = role == TEXT_ENCODER and os.environ.get(STREAM_TEXT_ENCODER_ENV, "off").strip().lower() == "on"
+    return language_model_record(
+        role, str(path), _tensors(where, lambda n: _language_model(n, lm_head)),
+        runs=1 if role == TEXT_ENCODER else want.pe_tokens, working=floor,
+        fixed_form=None if weight_dtype == AUTO else weight_dtype, places=places, streams=streams)
+
+
+def records(want: Wanted, device: torch.device) -> tuple[list[LoadRecord], LoraSet | None]:
+    """The load records of the graph's models (headers only) and its LoRA set. A model whose files cannot be read
+    is left out: its loader says what is wrong when it runs."""
+    floor = working_floor()
+    makers = []
     if want.dit is not None:
-        path, quantization, weight_dtype = want.dit
-        gguf = is_gguf(path)
-        tensors = _tensors(path) if gguf else [t for f in weight_files(path) if f.suffix == ".safetensors"
-                                               for t in _tensors(f)]
-        facts = probe(device)
-        fixed = None if quantization == AUTO or gguf else f"{quantization}/{weight_dtype}"
-        pixels = want.latent[0] * want.latent[-2] * want.latent[-1] / (LATENT_1024[-2] * LATENT_1024[-1])
-        working = max(floor, step_estimate(ErnieImageConfig, want.latent, torch.bfloat16))
-        found.append(dit_record(str(path), tensors, gguf_type=dominant_gguf_type(tensors) if gguf else None,
-                                fp8_matmul=facts.torchao and facts.arch is not None and facts.arch >= FP8_MIN_ARCH,
-                                runs=want.steps * want.forwards, working=working, fixed=fixed,
-                                compute_scale=pixels * (COMPILED if compiles else 1.0),
-                                eager_factor=1 / COMPILED if compiles else 1.0))
-    for role, entry, lm_head in ((TEXT_ENCODER, want.text, False), (PROMPT_ENHANCER, want.pe, True)):
-        if entry is None:
-            continue
-        path, device_choice, weight_dtype = (entry[0], *entry[2:]) if role == TEXT_ENCODER else entry
-        places = _places(device_choice, device)
-        if places == ():
-            continue  # on another GPU: not this card's
-        where = path / "text_encoder" if role == TEXT_ENCODER and entry[1] else path
-        tensors = _tensors(where, lambda n, head=lm_head: _language_model(n, head))
-        streams = role == TEXT_ENCODER and os.environ.get(STREAM_TEXT_ENCODER_ENV, "off").strip().lower() == "on"
-        found.append(language_model_record(
-            role, str(path), tensors, runs=1 if role == TEXT_ENCODER else want.pe_tokens, working=floor,
-            fixed_form=None if weight_dtype == AUTO else weight_dtype, places=places, streams=streams))
+        makers.append(lambda: _dit(want, device, floor))
+    if want.text is not None:
+        makers.append(lambda: _language_model_record(TEXT_ENCODER, want, device, floor))
+    if want.pe is not None:
+        makers.append(lambda: _language_model_record(PROMPT_ENHANCER, want, device, floor))
     if want.vae is not None and want.vae.is_file():
-        found.append(vae_record(str(want.vae), _tensors(want.vae),
-                                max(floor, decode_memory(want.latent, torch.bfloat16) * want.latent[0])))
+        working = max(floor, decode_memory(want.latent, torch.bfloat16) * want.latent[0])
+        makers.append(lambda: vae_record(str(want.vae), _tensors(want.vae), working))
+    found = []
+    for make in makers:
+        try:
+            record = make()
+        except (ErnieImageError, OSError):
+            continue
+        if record is not None:
+            found.append(record)
     loras = [p for p in want.loras if p.is_file()]
-    lora = lora_set([p.name for p in loras], [t for p in loras for t in _tensors(p)]) if loras else None
+    try:
+        lora = lora_set([p.name for p in loras], [t for p in loras for t in _tensors(p)]) if loras else None
+    except (ErnieImageError, OSError):
+        lora = None
     return found, lora
 
 
@@ -245,7 +270,14 @@ def make_plan(prompt: Mapping) -> Plan | None:
     if fixed is not None:
         _say_once(f"ERNIE-Image: {fixed}: models are placed as ComfyUI places them (no memory plan)")
         return None
-    costs = costs_here(device)
+    try:
+        costs = costs_here(device)
+    except Interrupted:
+        raise
+    except Exception as error:  # a probe that cannot measure here leaves placement to core, and says why once
+        _say_once(f"ERNIE-Image: the costs of this GPU could not be measured ({type(error).__name__}: "
+                  f"{str(error)[:200]}): models are placed as ComfyUI places them (no memory plan)", logging.WARNING)
+        return None
     if costs is None:
         return None
     want = wanted(prompt)
@@ -270,10 +302,10 @@ def make_plan(prompt: Mapping) -> Plan | None:
 _said: set[str] = set()
 
 
-def _say_once(words: str) -> None:
+def _say_once(words: str, level: int = logging.INFO) -> None:
     if words not in _said:
         _said.add(words)
-        logging.info(words)
+        logging.log(level, words)
 
 
 def below_floor_words(below: BelowFloor, usable: int, found: list[LoadRecord]) -> str:
