@@ -24,7 +24,7 @@ from .dit.vae import decode_memory
 from .errors import ErnieImageError
 from .gguf.reader import read_gguf
 from .host.memory import torch_device
-from .host.plan import pinnable, placement_fixed, step_estimate, usable_for_models, working_floor
+from .host.plan import pinnable, placement_fixed, step_estimate, total_memory, usable_for_models, working_floor
 from .host.probe import costs_here
 from .host.sampling import Interrupted
 from .ministral_file import IGNORED, LM_HEADS
@@ -292,7 +292,7 @@ def make_plan(prompt: Mapping) -> Plan | None:
     try:
         made = plan(found, Card(usable, pinnable()), costs, lora)
     except BelowFloor as below:
-        raise ErnieImageError(below_floor_words(below, usable, found)) from below
+        raise ErnieImageError(below_floor_words(below, usable, total_memory(device) - usable, found)) from below
     logging.info("ERNIE-Image: %s", made.line())
     _made.clear()
     _made[key] = made
@@ -308,16 +308,19 @@ def _say_once(words: str, level: int = logging.INFO) -> None:
         logging.log(level, words)
 
 
-def below_floor_words(below: BelowFloor, usable: int, found: list[LoadRecord]) -> str:
-    """Below the floor: the smallest card these files can serve, and what to download to go lower."""
+def below_floor_words(below: BelowFloor, usable: int, overhead: int, found: list[LoadRecord]) -> str:
+    """Below the floor: the smallest card these files can serve (what they need, with ``overhead``: what this card
+    keeps from models now, its CUDA context, core's reserve and other programs), and what to download to go lower."""
     dit = next((r for r in found if r.role == "DiT"), None)
     gguf = dit is not None and any(f.name.startswith("GGUF") for f in dit.forms)
     lower = ("a smaller GGUF of the DiT (Q3_K_M or Q2_K) in models/diffusion_models" if gguf else
              "a GGUF of the DiT (the community's Q4_K_M, 5.2 GB) in models/diffusion_models, with the "
              "ernie_image_turbo_gguf workflow")
     return (f"These models need at least {below.needed / GIB:.1f} GiB of GPU memory for ComfyUI's models (with every "
-            f"part that can stream streamed); this GPU has {usable / GIB:.1f} GiB usable now. Close programs that use "
-            f"the GPU, or download {lower}.")
+            f"part that can stream streamed); this GPU has {usable / GIB:.1f} GiB usable now, so the smallest card "
+            f"they can serve is about {(below.needed + overhead) / GIB:.1f} GiB with what this one keeps from models "
+            f"now (other programs, the CUDA context, ComfyUI's reserve). Close programs that use the GPU, or download "
+            f"{lower}.")
 
 
 session.register(make_plan)

@@ -152,7 +152,8 @@ def test_below_the_floor_the_error_names_the_least_memory_and_what_to_download_o
     from comfyui_ernie_image.nodes.errors import ErnieImageError
 
     card(2)
-    with pytest.raises(ErnieImageError, match=r"need at least \d+\.\d GiB .* smaller GGUF of the DiT"):
+    with pytest.raises(ErnieImageError, match=r"need at least \d+\.\d GiB .* smallest card they can serve is about "
+                       r"\d+\.\d GiB .* smaller GGUF of the DiT"):
         planning.make_plan(_gguf_graph())
 
 
