@@ -100,6 +100,8 @@ def wanted(prompt: Mapping) -> Wanted:
         if not isinstance(entry, Mapping):
             continue
         kind, inputs = entry.get("class_type"), entry.get("inputs") or {}
+        if not isinstance(inputs, Mapping):
+            continue
         name = _value(inputs, "model_name", None)
         if kind == "ErnieImageLoader" and (model := _resolved(SNAPSHOT_MODELS, name)):
             snapshot = model[1]
@@ -286,13 +288,19 @@ def make_plan(prompt: Mapping) -> Plan | None:
     kept = _made.get(key)
     if kept is not None and abs(kept.card.usable - usable) <= DRIFT:
         return kept
-    found, lora = records(want, device)
-    if not found:
-        return None
     try:
-        made = plan(found, Card(usable, pinnable()), costs, lora)
+        found, lora = records(want, device)
+        made = plan(found, Card(usable, pinnable()), costs, lora) if found else None
     except BelowFloor as below:
         raise ErnieImageError(below_floor_words(below, usable, total_memory(device) - usable, found)) from below
+    except Interrupted:
+        raise
+    except Exception:  # a fault of the plan itself must not stop the prompt: core places the models, as before
+        logging.warning("ERNIE-Image: the memory plan failed; models are placed as ComfyUI places them",
+                        exc_info=True)
+        return None
+    if made is None:
+        return None
     logging.info("ERNIE-Image: %s", made.line())
     _made.clear()
     _made[key] = made

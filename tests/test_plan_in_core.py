@@ -240,3 +240,19 @@ def test_under_a_placement_flag_core_places_the_models_on_a_faked_10gb_card(card
         assert planning.make_plan(_gguf_graph()) is None
     words = f"--{flag.replace('_', '-')}: models are placed as ComfyUI places them (no memory plan)"
     assert any(words in r.getMessage() for r in caplog.records)
+
+
+def test_a_fault_in_the_plan_leaves_placement_to_core_and_says_so_injected_fault(card, true_size_files, monkeypatch,
+                                                                                   caplog):
+    """A fault of the plan itself (injected: none is known) must not stop the prompt."""
+    from comfyui_ernie_image.nodes import planning
+
+    card(10)
+
+    def broken(want, device):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(planning, "records", broken)
+    with caplog.at_level(logging.WARNING):
+        assert planning.make_plan(_gguf_graph()) is None
+    assert any("the memory plan failed" in r.getMessage() for r in caplog.records)
