@@ -13,9 +13,11 @@ import torch
 
 from comfyui_ernie_image.nodes.gguf import dequant
 from comfyui_ernie_image.nodes.gguf.reader import first_bad_value
-from scripts.gguf_writer import SPAN, random_blocks
+from scripts.gguf_writer import SCALES, SPAN, random_blocks
 
-KINDS = list(dequant.BLOCKS)  # every type the pack reads: ComfyUI-GGUF's
+# Every block type ComfyUI-GGUF's ``dequant.py`` reads (city96/ComfyUI-GGUF at 03e0e547; it reads BF16 too): the pack
+# reads these, and these only.
+KINDS = ["Q8_0", "Q6_K", "Q5_1", "Q5_K", "Q5_0", "Q4_1", "Q4_K", "IQ4_NL", "Q4_0", "IQ4_XS", "Q3_K", "Q2_K"]
 # The decode runs where the layer runs: on the GPU too where there is one (``pytest tests/test_gguf_dequant.py`` there).
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
@@ -34,10 +36,7 @@ def test_the_block_sizes_are_the_packages():
 
 
 def test_the_pack_reads_every_type_comfyui_gguf_reads():
-    """ComfyUI-GGUF's ``dequant.py`` (city96/ComfyUI-GGUF at 03e0e547): BF16 and these block types."""
-    assert set(dequant.BLOCKS) == {"Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K",
-                                   "IQ4_NL", "IQ4_XS"}
-    assert set(dequant.SCALE_OFFSETS) == set(dequant.BLOCKS)
+    assert list(dequant.BLOCKS) == KINDS and set(dequant.SCALE_OFFSETS) == set(KINDS)
     bits = [size * 8 / values for values, size in dequant.BLOCKS.values()]
     assert bits == sorted(bits, reverse=True)  # the messages name them from the most bits a weight to the fewest
 
@@ -45,19 +44,21 @@ def test_the_pack_reads_every_type_comfyui_gguf_reads():
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_scales_checked_are_where_the_package_reads_fp16_scales(kind):
     """A NaN written at byte ``offset`` of a valid block makes ``gguf.quants.dequantize`` give NaN exactly where
-    ``offset`` is one of ``SCALE_OFFSETS[kind]``: the reader checks every fp16 number the values are scaled by."""
+    ``offset`` is one of ``SCALE_OFFSETS[kind]``: the reader checks every fp16 number the values are scaled by (and
+    the test writer draws them: ``SCALES``)."""
     values, size = dequant.BLOCKS[kind]
     blocks = np.repeat(_blocks(kind, 256, seed=1).reshape(-1, size)[:1], size - 1, axis=0)
     for offset in range(size - 1):  # block ``offset`` has the bytes of a NaN at ``offset``
         blocks[offset, offset:offset + 2] = np.array([np.nan], np.float16).view(np.uint8)
     decoded = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind]).reshape(size - 1, values)
-    assert tuple(np.flatnonzero(np.isnan(decoded).any(axis=1))) == dequant.SCALE_OFFSETS[kind]
+    assert tuple(np.flatnonzero(np.isnan(decoded).any(axis=1))) == dequant.SCALE_OFFSETS[kind] == SCALES[kind]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_non_finite_scale_of_each_type_is_refused_naming_the_tensor(kind):
-    values, size = dequant.BLOCKS[kind]
-    for offset in dequant.SCALE_OFFSETS[kind]:
+    """Each fp16 scale where llama.cpp's block keeps it (the test writer's ``SCALES``, ggml-common.h)."""
+    size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][1]
+    for offset in SCALES[kind]:
         for value, words in ((np.inf, "inf"), (np.nan, "nan"), (-np.inf, "-inf")):
             blocks = _blocks(kind, 4 * 256, seed=2).reshape(-1, size)
             assert first_bad_value("layers.3.mlp.up_proj.weight", kind, torch.from_numpy(blocks.reshape(-1))) is None
@@ -118,7 +119,6 @@ def test_compiled_the_decode_equals_eager_for_every_type(device):
     """Where a GGUF DiT is held whole its blocks compile with the decode (``torch.compiler.is_compiling``: no step
     loop): inductor's kernels give the same numbers as eager, every type in one graph."""
     raws = {kind: torch.from_numpy(_blocks(kind, 8 * 256, seed=7).reshape(-1).copy()).to(device) for kind in KINDS}
-    assert set(raws) == set(dequant.BLOCKS)
 
     def decode_all(raws):
         return {kind: dequant.dequantize(raw, kind, (8, 256), torch.bfloat16) for kind, raw in raws.items()}
