@@ -98,12 +98,13 @@ def test_each_quantized_type_decodes_any_bytes_as_the_gguf_package_does(kind):
     assert torch.equal(decoded, torch.from_numpy(reference))
 
 
-def test_a_layer_larger_than_one_step_decodes_in_steps_alike(monkeypatch):
-    blocks = _blocks("Q4_K", 40 * 256, seed=3)
+@pytest.mark.parametrize("kind", ["Q4_K", "Q4_0", "IQ4_XS"])  # 256- and 32-value blocks, and the IQ4 levels
+def test_a_layer_larger_than_one_step_decodes_in_steps_alike(monkeypatch, kind):
+    blocks = _blocks(kind, 40 * 256, seed=3)
     raw = torch.from_numpy(blocks.reshape(-1).copy())
-    whole = dequant.dequantize(raw, "Q4_K", (40, 256), torch.float32)
+    whole = dequant.dequantize(raw, kind, (40, 256), torch.float32)
     monkeypatch.setattr(dequant, "CHUNK_VALUES", 3 * 256)  # 14 steps, the last one short
-    assert torch.equal(dequant.dequantize(raw, "Q4_K", (40, 256), torch.float32), whole)
+    assert torch.equal(dequant.dequantize(raw, kind, (40, 256), torch.float32), whole)
 
 
 def test_the_decoded_layout_is_row_major_over_the_blocks():
