@@ -211,8 +211,8 @@ def test_a_core_fp8_pe_file_loads_as_fp8(tiny_models, bf16_file_pe, tmp_path, la
 def test_the_pe_loaders_take_weight_dtype_last_and_optional(comfy_paths):
     for node, name in ((ErnieImagePELoader, "weight_dtype"), (ErnieImageLoader, "pe_weight_dtype")):
         spec = node.define_schema().inputs[-1]
-        assert (spec.id, spec.optional, spec.default, spec.options) == (name, True, "default",
-                                                                        ["default", "fp8_e4m3fn"])
+        assert (spec.id, spec.optional, spec.default, spec.options) == (name, True, "auto",  # the memory plan's
+                                                                        ["auto", "default", "fp8_e4m3fn"])
     (asked,) = ErnieImagePELoader.execute(FILE_PE, "cpu", "auto", "fp8_e4m3fn").result
     (saved_before,) = ErnieImagePELoader.execute(FILE_PE, "cpu", "auto").result  # a workflow without the input
     assert asked.fp8 and not saved_before.fp8 and not asked.loaded
