@@ -5,8 +5,10 @@ from __future__ import annotations
 from comfy_api.v0_0_2 import io
 
 from ..choices import SNAPSHOTS, ModelList, files
+from ..errors import ErnieImageError
 from ..host.memory import device_options
 from ..inputs import lm_weight_dtype_input, wants_fp8
+from ..model_files import is_gguf
 from ..paths import is_prompt_enhancer_file, model_file_path
 from ..plan import session
 from ..plan.records import CPU, STREAMED, TEXT_ENCODER
@@ -20,10 +22,10 @@ def _is_single_file(name: str) -> bool:
     return not (model_file_path("text_encoders", name).parent / "config.json").is_file()
 
 
-# Snapshot folders, then the single-file text encoders of models/text_encoders (PEs are listed elsewhere). Before the
-# one grammar (``choices``), a snapshot was listed bare.
+# Snapshot folders, then the single-file text encoders of models/text_encoders, safetensors and GGUF (PEs are listed
+# elsewhere). Before the one grammar (``choices``), a snapshot was listed bare.
 TEXT_ENCODER_MODELS = ModelList(
-    (SNAPSHOTS, files("text_encoders", lambda n: not is_prompt_enhancer_file(n) and _is_single_file(n))),
+    (SNAPSHOTS, files("text_encoders", lambda n: not is_prompt_enhancer_file(n) and _is_single_file(n), gguf=True)),
     legacy="diffusers",
 )
 
@@ -50,6 +52,16 @@ def planned_text_encoder(device: str, weight_dtype: str) -> dict:
     return dict(fp8=fp8, streamed=place == STREAMED, follows_plan=place is not None)
 
 
+def gguf_text_encoder(path, chosen: dict, weight_dtype: str) -> ManagedTextEncoder:
+    """The GGUF text encoder at ``path`` placed as ``chosen`` (``planned_text_encoder``) says. A GGUF file keeps its
+    own types: fp8 asked for in words is refused, fp8 the plan picks (``auto``) is not applied."""
+    if wants_fp8(weight_dtype):
+        raise ErnieImageError(f"weight_dtype {weight_dtype} stores the text encoder's layers in fp8, but {path} is a "
+                              "GGUF file, quantized already (its layers stay in their GGUF types and are decoded as "
+                              "they run): set weight_dtype to auto or default, or pick the safetensors file.")
+    return ManagedTextEncoder.from_gguf(path, **{k: v for k, v in chosen.items() if k != "fp8"})
+
+
 def text_encoder_weight_dtype_input(name: str) -> io.Combo.Input:
     """The text encoder's weight storage (its loader's and the all-in-one loader's): optional, last."""
     return lm_weight_dtype_input(name, "text encoder")
@@ -62,8 +74,9 @@ class ErnieImageTextEncoderLoader(io.ComfyNode):
             node_id="ErnieImageTextEncoderLoader",
             display_name="ERNIE-Image Text Encoder Loader",
             category="ERNIE-Image/loaders",
-            description="Loads ERNIE-Image's Mistral3 text encoder and tokenizer: from a snapshot folder, or from "
-            "ComfyUI's repack ministral-3-3b.safetensors (tokenizer inside) in models/text_encoders.",
+            description="Loads ERNIE-Image's Mistral3 text encoder and tokenizer: from a snapshot folder, from "
+            "ComfyUI's repack ministral-3-3b.safetensors (tokenizer inside) in models/text_encoders, or from a GGUF "
+            "there (llama.cpp's converter; tokenizer inside, layers decoded as they run).",
             inputs=[
                 TEXT_ENCODER_MODELS.input("model_name", tooltip="diffusers/<snapshot folder>, or "
                                           "text_encoders/<file>."),
@@ -85,6 +98,8 @@ class ErnieImageTextEncoderLoader(io.ComfyNode):
         chosen = planned_text_encoder(device, weight_dtype)
         if model.folder == SNAPSHOTS.folder:
             return io.NodeOutput(ManagedTextEncoder.from_snapshot(model.path, **chosen))
+        if is_gguf(model.path.name):
+            return io.NodeOutput(gguf_text_encoder(model.path, chosen, weight_dtype))
         return io.NodeOutput(ManagedTextEncoder.from_single_file(model.path, **chosen))
 
 

@@ -94,3 +94,31 @@ def one_blob_gguf(path: Path, shapes: dict[str, tuple[int, ...]]) -> Path:
     they declare far more bytes than it holds (issue 41's memory bomb)."""
     largest = max(math.prod(shape) for shape in shapes.values()) * 4
     return f32_gguf(path, {name: (shape, 0) for name, shape in shapes.items()}, largest)
+
+
+def rewrite_gguf(source: Path, path: Path, fields: dict | None = None, drop: tuple[str, ...] = (),
+                 tensors: dict | None = None, endianess=gguf.GGUFEndian.LITTLE) -> Path:
+    """A copy of the GGUF file ``source`` written anew by the gguf package's writer: its fields, with ``fields``
+    (key → value, of the field's own type where the file has it, else a string) put in and the ``drop`` keys left
+    out; its tensors as they are, but those ``tensors`` names (name → (numpy array, GGML type)) given anew."""
+    fields, tensors = fields or {}, tensors or {}
+    reader = gguf.GGUFReader(str(source))
+    architecture = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(path), architecture if "general.architecture" not in fields else None,
+                             endianess=endianess)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in drop or (key == "general.architecture" and key not in fields):
+            continue
+        value = fields.get(key, field.contents())
+        writer.add_key_value(key, value, field.types[0], field.types[-1] if len(field.types) > 1 else None)
+    for key, value in fields.items():
+        if key not in reader.fields:
+            writer.add_key_value(key, value, gguf.GGUFValueType.STRING)
+    for tensor in reader.tensors:
+        data, kind = tensors.get(tensor.name, (np.array(tensor.data), tensor.tensor_type))
+        writer.add_tensor(tensor.name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

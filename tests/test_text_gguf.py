@@ -1,0 +1,185 @@
+"""The text encoder from a GGUF file of llama.cpp's own converter: the embeddings of the same file dequantized into
+ComfyUI's single-file layout, exactly; the tokenizer of its metadata giving the single file's ids; files of another
+model, or with one layer's shape wrong, refused by name.
+
+The fixture ``fixtures/gguf/ernie-image-text-encoder-tiny-Q8_0.gguf`` is the tiny text encoder (``tiny_models``,
+seed 0, deterministic) converted by ``convert_hf_to_gguf.py --outtype q8_0`` of llama.cpp 0c1e57098 (the copy in the
+llama-cpp-python 0.3.36 source distribution), with
+``python -m scripts.tiny_ministral_gguf <that llama.cpp folder> tests/fixtures/gguf`` (the script says the one
+answer it gives the converter: the tiny tokenizer's pre-tokenizer name). ``test_the_fixture_is_the_tiny_text_encoder``
+checks it still holds the tiny model the tests make.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from comfyui_ernie_image.nodes.errors import ErnieImageError
+from comfyui_ernie_image.nodes.gguf.linear import GGUFBlockLinear
+from comfyui_ernie_image.nodes.ministral_gguf import model_name
+from comfyui_ernie_image.nodes.text.encoder import ErnieTextEncoder
+from helpers.gguf_files import rewrite_gguf
+
+FIXTURE = Path(__file__).parent / "fixtures" / "gguf" / "ernie-image-text-encoder-tiny-Q8_0.gguf"
+PROMPTS = ["a red cat sits on a blue mat", "", "一只 红色 的 猫", "3 dogs, 42 cats & 2024's moon!\n[INST]</s>",
+           'quotes "and" \\ backslashes\nnewline']
+CPU = torch.device("cpu")
+
+
+def converter_permute(weights: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
+    """llama.cpp's ``LlamaModel.permute`` (0c1e57098, ``conversion/llama.py``), as the converter applies it to the
+    query (``n_head, n_head``) and key (``n_head, n_head_kv``) projections."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weights.shape))
+
+
+def dequantized_twin(source: Path, tekken_from: Path, path: Path) -> Path:
+    """The GGUF file ``source`` as ComfyUI's single-file text encoder: every tensor decoded by
+    ``gguf.quants.dequantize``, the query and key rows put back where the converter's permute took them from, and
+    the tokenizer of ``tekken_from``."""
+    reader = gguf.GGUFReader(str(source))
+    heads = int(reader.fields["mistral3.attention.head_count"].contents())
+    kv_heads = int(reader.fields["mistral3.attention.head_count_kv"].contents())
+    state = {}
+    for tensor in reader.tensors:
+        values = gguf.quants.dequantize(np.array(tensor.data), tensor.tensor_type)
+        value = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(tuple(reversed(tensor.shape.tolist())))
+        if tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+            order = converter_permute(torch.arange(value.shape[0]), heads,
+                                      heads if "attn_q" in tensor.name else kv_heads)
+            original = torch.empty_like(value)
+            original[order] = value  # the converter wrote original[order]
+            value = original
+        state[model_name(tensor.name)] = value.contiguous()
+    state["tekken_model"] = load_file(tekken_from)["tekken_model"]
+    save_file(state, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def twin(tiny_models, tmp_path_factory) -> Path:
+    return dequantized_twin(FIXTURE, tiny_models["text_encoder_file"],
+                            tmp_path_factory.mktemp("twin") / "ministral-3-3b-tiny-dequantized.safetensors")
+
+
+def test_the_fixture_is_the_tiny_text_encoder(tiny_models):
+    """Each weight of the fixture, read by the pack (rows put back in transformers' order), is the tiny text
+    encoder's within Q8_0's rounding (half a step of each 32-value block's scale, and 127 steps of that scale's own
+    fp16 rounding): the fixture is still the model the tests make, and the pack undoes the converter's permute
+    (undone wrong, a row would be another row)."""
+    expected = ErnieTextEncoder.from_single_file(tiny_models["text_encoder_file"], torch.float32)
+    loaded = ErnieTextEncoder.from_gguf(FIXTURE, torch.float32)
+    reference = expected.language_model.state_dict()
+    blocks = 0
+    for name, module in loaded.language_model.named_modules():
+        if isinstance(module, GGUFBlockLinear):
+            blocks += 1
+            weight = module(torch.eye(module.in_features)).T  # the decoded weight, as the layer computes with it
+            want = reference[f"{name}.weight"]
+            step = want.reshape(-1, 32).abs().amax(dim=1, keepdim=True) / 127
+            assert ((weight - want).reshape(-1, 32).abs() <= step * (0.5 + 127 * 2**-11)).all(), name
+    assert blocks == 3 * 7
+    torch.testing.assert_close(loaded.language_model.norm.weight, reference["norm.weight"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gguf_encodes_exactly_like_its_dequantized_twin(twin, dtype):
+    from_gguf = ErnieTextEncoder.from_gguf(FIXTURE, dtype)
+    from_twin = ErnieTextEncoder.from_single_file(twin, dtype)
+    for prompt in PROMPTS:
+        assert from_gguf.token_ids(prompt) == from_twin.token_ids(prompt)
+        expected = from_twin.encode(prompt, CPU)
+        assert expected.abs().max() > 0
+        torch.testing.assert_close(from_gguf.encode(prompt, CPU), expected, rtol=0, atol=0)
+
+
+def test_q8_0_stays_close_to_the_original_model(tiny_models):
+    """Q8_0 against the float32 model the file was converted from: within 3 % of the embedding's largest value
+    (measured: 1.5 %)."""
+    original = ErnieTextEncoder.from_single_file(tiny_models["text_encoder_file"], torch.float32)
+    quantized = ErnieTextEncoder.from_gguf(FIXTURE, torch.float32)
+    for prompt in PROMPTS:
+        expected = original.encode(prompt, CPU)
+        error = (quantized.encode(prompt, CPU) - expected).abs().max()
+        assert error <= 0.03 * expected.abs().max(), (prompt, float(error))
+
+
+def test_tokenizer_from_the_metadata_gives_the_single_files_ids(tiny_models):
+    single = ErnieTextEncoder.from_single_file(tiny_models["text_encoder_file"], torch.float32).tokenizer
+    tokenizer = ErnieTextEncoder.from_gguf(FIXTURE, torch.float32).tokenizer
+    assert len(tokenizer) == len(single) == 400
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id, tokenizer.pad_token_id) == (
+        single.bos_token_id, single.eos_token_id, single.unk_token_id, single.pad_token_id) == (1, 2, 0, 3)
+    for prompt in [*PROMPTS, " ".join(["mountain river"] * 40), "\t tabs  and   spaces  "]:
+        assert tokenizer(prompt)["input_ids"] == single(prompt)["input_ids"], prompt
+        assert tokenizer.decode(tokenizer(prompt)["input_ids"][1:]) == prompt  # after the BOS
+
+
+def _variant(tmp_path: Path, name: str, **changes) -> Path:
+    return rewrite_gguf(FIXTURE, tmp_path / name, **changes)
+
+
+def test_a_layer_of_the_wrong_shape_is_refused_by_name(tmp_path):
+    reader = gguf.GGUFReader(str(FIXTURE))
+    up = next(t for t in reader.tensors if t.name == "blk.1.ffn_up.weight")
+    narrower = np.array(up.data)[:-2]  # 62 rows of 32 where the model has 64
+    path = _variant(tmp_path, "one-layer-wrong.gguf", tensors={up.name: (narrower, up.tensor_type)})
+    with pytest.raises(ErnieImageError, match=r"one-layer-wrong\.gguf.*blk\.1\.ffn_up\.weight.*\[62, 32\].*\[64, 32\]"):
+        ErnieTextEncoder.from_gguf(path, torch.float32)
+
+
+@pytest.mark.parametrize("key", ["general.name", "general.basename"])
+def test_a_file_named_as_mistrals_own_ministral_is_refused(tmp_path, key):
+    path = _variant(tmp_path, "renamed.gguf", fields={key: "Ministral 3 3B Instruct 2512"})
+    with pytest.raises(ErnieImageError, match=rf"renamed\.gguf is named Ministral 3 3B Instruct 2512 \({key}\): "
+                       r"Mistral's own Ministral 3, not ERNIE-Image's text encoder"):
+        ErnieTextEncoder.from_gguf(path, torch.float32)
+
+
+def test_a_file_of_another_architecture_is_refused(tmp_path):
+    path = _variant(tmp_path, "qwen.gguf", fields={"general.architecture": "qwen2"})
+    with pytest.raises(ErnieImageError, match=r"qwen\.gguf holds a qwen2 model \(general\.architecture\), not a "
+                       r"Ministral 3 text encoder"):
+        ErnieTextEncoder.from_gguf(path, torch.float32)
+
+
+@pytest.mark.parametrize(("key", "value", "words"), [
+    ("mistral3.block_count", 4, r"says mistral3\.block_count = 4, but its tensors make it 3: the file is damaged"),
+    ("mistral3.rope.freq_base", 10000.0, r"says mistral3\.rope\.freq_base = 10000\.0, where Ministral 3 has "
+                                          r"1000000\.0: it is not ERNIE-Image's text encoder"),
+])
+def test_metadata_that_contradicts_the_tensors_or_ministral_is_refused(tmp_path, key, value, words):
+    path = _variant(tmp_path, "metadata.gguf", fields={key: value})
+    with pytest.raises(ErnieImageError, match=r"metadata\.gguf " + words):
+        ErnieTextEncoder.from_gguf(path, torch.float32)
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"tokenizer.ggml.model": "llama"}, r"a tokenizer of kind llama \(tokenizer\.ggml\.model"),
+    ({"tokenizer.ggml.pre": "qwen2"}, r"a tokenizer whose split before BPE is qwen2"),
+    ({"tokenizer.ggml.bos_token_id": 400}, r"a bos_token_id of 400 for 400 tokens"),
+    ({"tokenizer.ggml.eos_token_id": 72}, r"the eos_token_id 72 \(.*\), which is not a special token"),
+    ({"tokenizer.ggml.merges": ["Ġ s", "no such"]}, r"the merge no such, which is not two of its tokens"),
+])
+def test_a_tokenizer_that_does_not_fit_is_refused_before_use(tmp_path, fields, words):
+    path = _variant(tmp_path, "tokenizer.gguf", fields=fields)
+    with pytest.raises(ErnieImageError, match=r"tokenizer\.gguf carries " + words + r".*not the tokenizer of a "
+                       r"Ministral 3 model"):
+        ErnieTextEncoder.from_gguf(path, torch.float32)
+
+
+def test_a_vocabulary_of_another_size_is_refused(tmp_path):
+    tokens = gguf.GGUFReader(str(FIXTURE)).fields["tokenizer.ggml.tokens"].contents()
+    path = _variant(tmp_path, "vocabulary.gguf", fields={"tokenizer.ggml.tokens": tokens[:-1]})
+    with pytest.raises(ErnieImageError, match=r"vocabulary\.gguf carries 399 tokens \(tokenizer\.ggml\.tokens\) for a "
+                       r"model of 400 token embeddings"):
+        ErnieTextEncoder.from_gguf(path, torch.float32)
