@@ -18,51 +18,18 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.gguf.linear import GGUFBlockLinear
-from comfyui_ernie_image.nodes.ministral_gguf import model_name
 from comfyui_ernie_image.nodes.text.encoder import ErnieTextEncoder
-from helpers.gguf_files import rewrite_gguf
+from helpers.gguf_files import dequantized_twin, rewrite_gguf, set_tensor_offset, tensor_offset
+from helpers.reference import saved_image
+from helpers.workflows import text_to_image
 
 FIXTURE = Path(__file__).parent / "fixtures" / "gguf" / "ernie-image-text-encoder-tiny-Q8_0.gguf"
 PROMPTS = ["a red cat sits on a blue mat", "", "一只 红色 的 猫", "3 dogs, 42 cats & 2024's moon!\n[INST]</s>",
            'quotes "and" \\ backslashes\nnewline']
 CPU = torch.device("cpu")
-
-
-def converter_permute(weights: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
-    """llama.cpp's ``LlamaModel.permute`` (0c1e57098, ``conversion/llama.py``), as the converter applies it to the
-    query (``n_head, n_head``) and key (``n_head, n_head_kv``) projections."""
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
-    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-            .swapaxes(1, 2)
-            .reshape(weights.shape))
-
-
-def dequantized_twin(source: Path, tekken_from: Path, path: Path) -> Path:
-    """The GGUF file ``source`` as ComfyUI's single-file text encoder: every tensor decoded by
-    ``gguf.quants.dequantize``, the query and key rows put back where the converter's permute took them from, and
-    the tokenizer of ``tekken_from``."""
-    reader = gguf.GGUFReader(str(source))
-    heads = int(reader.fields["mistral3.attention.head_count"].contents())
-    kv_heads = int(reader.fields["mistral3.attention.head_count_kv"].contents())
-    state = {}
-    for tensor in reader.tensors:
-        values = gguf.quants.dequantize(np.array(tensor.data), tensor.tensor_type)
-        value = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(tuple(reversed(tensor.shape.tolist())))
-        if tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
-            order = converter_permute(torch.arange(value.shape[0]), heads,
-                                      heads if "attn_q" in tensor.name else kv_heads)
-            original = torch.empty_like(value)
-            original[order] = value  # the converter wrote original[order]
-            value = original
-        state[model_name(tensor.name)] = value.contiguous()
-    state["tekken_model"] = load_file(tekken_from)["tekken_model"]
-    save_file(state, str(path))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -103,14 +70,14 @@ def test_gguf_encodes_exactly_like_its_dequantized_twin(twin, dtype):
 
 
 def test_q8_0_stays_close_to_the_original_model(tiny_models):
-    """Q8_0 against the float32 model the file was converted from: within 3 % of the embedding's largest value
-    (measured: 1.5 %)."""
+    """Q8_0 against the float32 model the file was converted from: within 4 % of the embedding's largest value
+    (measured: 1.4-1.9 % over the prompts, CPU, float32, 2026-12-04)."""
     original = ErnieTextEncoder.from_single_file(tiny_models["text_encoder_file"], torch.float32)
     quantized = ErnieTextEncoder.from_gguf(FIXTURE, torch.float32)
     for prompt in PROMPTS:
         expected = original.encode(prompt, CPU)
         error = (quantized.encode(prompt, CPU) - expected).abs().max()
-        assert error <= 0.03 * expected.abs().max(), (prompt, float(error))
+        assert error <= 0.04 * expected.abs().max(), (prompt, float(error))
 
 
 def test_tokenizer_from_the_metadata_gives_the_single_files_ids(tiny_models):
@@ -183,3 +150,103 @@ def test_a_vocabulary_of_another_size_is_refused(tmp_path):
     with pytest.raises(ErnieImageError, match=r"vocabulary\.gguf carries 399 tokens \(tokenizer\.ggml\.tokens\) for a "
                        r"model of 400 token embeddings"):
         ErnieTextEncoder.from_gguf(path, torch.float32)
+
+
+def test_the_header_passes_the_bounded_walk_overlapping_tensors(tmp_path):
+    path = _variant(tmp_path, "overlapping.gguf")
+    set_tensor_offset(path, "blk.1.attn_q.weight", tensor_offset(path, "blk.0.attn_q.weight"))
+    with pytest.raises(ErnieImageError, match=r"overlapping\.gguf as a GGUF file: it declares the tensors "
+                       r"blk\.0\.attn_q\.weight and blk\.1\.attn_q\.weight in the same bytes .* which no GGUF writer "
+                       r"makes"):
+        ErnieTextEncoder.from_gguf(path, torch.float32)
+
+
+def test_the_header_passes_the_bounded_walk_byte_order(tmp_path):
+    path = _variant(tmp_path, "big-endian.gguf", endianess=gguf.GGUFEndian.BIG)
+    with pytest.raises(ErnieImageError, match=r"big-endian\.gguf is a big-endian GGUF; this pack reads little-endian"):
+        ErnieTextEncoder.from_gguf(path, torch.float32)
+
+
+def test_metadata_is_read_under_a_byte_bound(tmp_path):
+    """A name is read only when it takes at most 1 KiB: a file may say anything there."""
+    path = _variant(tmp_path, "long-name.gguf", fields={"general.name": "ERNIE " * 1000})
+    with pytest.raises(ErnieImageError, match=r"long-name\.gguf as a GGUF file: it declares the field general\.name "
+                       r"of 6008 bytes \(at most 1024 are read of it\)"):
+        ErnieTextEncoder.from_gguf(path, torch.float32)
+
+
+def test_loading_stops_at_cancel(listed, monkeypatch):
+    """ComfyUI's interrupt, set while the fifth tensor is read, stops the load before the sixth; the next load
+    works."""
+    import comfy.model_management
+
+    from comfyui_ernie_image.nodes.gguf.reader import GGUFTensor
+    from comfyui_ernie_image.nodes.text.nodes import ErnieImageTextEncoderLoader
+
+    reads, read = [], GGUFTensor.read
+
+    def interrupting(tensor):
+        reads.append(tensor)
+        if len(reads) == 5:
+            comfy.model_management.interrupt_current_processing(True)
+        return read(tensor)
+
+    monkeypatch.setattr(GGUFTensor, "read", interrupting)
+    try:
+        with pytest.raises(comfy.model_management.InterruptProcessingException):
+            ErnieImageTextEncoderLoader.execute(listed["gguf"], "cpu")
+    finally:
+        comfy.model_management.interrupt_current_processing(False)
+    assert len(reads) == 5
+    assert ErnieImageTextEncoderLoader.execute(listed["gguf"], "cpu").result[0].encoder is not None
+
+
+@pytest.fixture
+def listed(placed, twin):
+    """The fixture, its dequantized twin and the PE's GGUF under models/text_encoders, as a user puts them; their
+    names as the text encoder loader lists them."""
+    names = {"gguf": "ernie-image-text-encoder-tiny-Q8_0.gguf", "twin": twin.name,
+             "pe": "ernie-image-prompt-enhancer-tiny-Q8_0.gguf"}
+    placed("text_encoders", names["gguf"]).write_bytes(FIXTURE.read_bytes())
+    placed("text_encoders", names["twin"]).write_bytes(twin.read_bytes())
+    placed("text_encoders", names["pe"]).write_bytes((FIXTURE.parent / names["pe"]).read_bytes())
+    return {key: f"text_encoders/{name}" for key, name in names.items()}
+
+
+def test_the_loader_lists_gguf_text_encoders_and_encodes_like_the_twin(listed):
+    from comfyui_ernie_image.nodes.text.nodes import ErnieImageTextEncode, ErnieImageTextEncoderLoader
+
+    options = ErnieImageTextEncoderLoader.define_schema().inputs[0].options
+    assert listed["gguf"] in options and listed["twin"] in options
+    assert listed["pe"] not in options  # a PE, listed by the PE loader
+    assert ErnieImageTextEncoderLoader.validate_inputs(listed["gguf"]) is True
+    conditionings = [ErnieImageTextEncode.execute(ErnieImageTextEncoderLoader.execute(listed[key]).result[0],
+                                                  PROMPTS[0]).result[0] for key in ("gguf", "twin")]
+    (gguf_cond, _), (twin_cond, _) = conditionings[0][0], conditionings[1][0]
+    assert gguf_cond.shape == twin_cond.shape and gguf_cond.shape[0] == 1
+    torch.testing.assert_close(gguf_cond, twin_cond, rtol=0, atol=0)
+
+
+def test_fp8_asked_of_a_gguf_text_encoder_is_refused(listed):
+    from comfyui_ernie_image.nodes.text.nodes import ErnieImageTextEncoderLoader
+
+    with pytest.raises(ErnieImageError, match=r"weight_dtype fp8_e4m3fn stores the text encoder's layers in fp8, but "
+                       r".*ernie-image-text-encoder-tiny-Q8_0\.gguf is a GGUF file, quantized already"):
+        ErnieImageTextEncoderLoader.execute(listed["gguf"], "cpu", "fp8_e4m3fn")
+
+
+def test_a_graph_with_the_gguf_text_encoder_gives_its_twins_image(comfy_server, tiny_models, listed):
+    """The whole graph in a real headless ComfyUI: the GGUF text encoder and its dequantized twin, same image."""
+    images = []
+    for key in ("gguf", "twin"):
+        graph = text_to_image(snapshot="ERNIE-Image-Turbo-tiny", prompt=PROMPTS[0], negative="dark", width=128,
+                              height=128, steps=2, cfg=4.0, seed=3, prefix=f"gguf_te_{key}")
+        graph["te"] = {"class_type": "ErnieImageTextEncoderLoader", "inputs": {"model_name": listed[key]}}
+        for node in ("positive", "negative"):
+            graph[node]["inputs"]["text_encoder"] = ["te", 0]
+        result = comfy_server.run(graph)
+        assert result.status == "success", result.messages
+        (path,) = comfy_server.output_images(result)
+        images.append(saved_image(path))
+    assert images[0].std() > 5.0
+    assert np.array_equal(images[0], images[1])

@@ -1,6 +1,6 @@
 """Tiny GGUF files of the tiny DiT (written by ``scripts/gguf_writer.py`` as city96's converter writes them), the
-weights they hold as ``gguf.quants.dequantize`` reads them back (the reference), and byte-level edits for hostile
-files.
+weights they hold as ``gguf.quants.dequantize`` reads them back (the reference), byte-level edits for hostile files,
+copies of a GGUF rewritten by the gguf package's writer, and the safetensors twin of a llama.cpp Ministral 3 file.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
+from comfyui_ernie_image.nodes.ministral_gguf import model_name
 from scripts.gguf_writer import ORIG_SHAPE, SCALES
 
 
@@ -121,4 +123,37 @@ def rewrite_gguf(source: Path, path: Path, fields: dict | None = None, drop: tup
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def converter_permute(weights: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
+    """llama.cpp's ``LlamaModel.permute`` (0c1e57098, ``conversion/llama.py``), as the converter applies it to the
+    query (``n_head, n_head``) and key (``n_head, n_head_kv``) projections."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weights.shape))
+
+
+def dequantized_twin(source: Path, tekken_from: Path, path: Path) -> Path:
+    """The GGUF file ``source`` as ComfyUI's single-file text encoder: every tensor decoded by
+    ``gguf.quants.dequantize``, the query and key rows put back where the converter's permute took them from, and
+    the tokenizer of ``tekken_from``."""
+    reader = gguf.GGUFReader(str(source))
+    heads = int(reader.fields["mistral3.attention.head_count"].contents())
+    kv_heads = int(reader.fields["mistral3.attention.head_count_kv"].contents())
+    state = {}
+    for tensor in reader.tensors:
+        values = gguf.quants.dequantize(np.array(tensor.data), tensor.tensor_type)
+        value = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(tuple(reversed(tensor.shape.tolist())))
+        if tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+            order = converter_permute(torch.arange(value.shape[0]), heads,
+                                      heads if "attn_q" in tensor.name else kv_heads)
+            original = torch.empty_like(value)
+            original[order] = value  # the converter wrote original[order]
+            value = original
+        state[model_name(tensor.name)] = value.contiguous()
+    state["tekken_model"] = load_file(tekken_from)["tekken_model"]
+    save_file(state, str(path))
     return path
