@@ -286,3 +286,18 @@ def test_every_gguf_type_of_the_dit_encodes_exactly_like_its_twin(tiny_models, t
         expected = from_twin.encode(prompt, CPU)
         assert torch.isfinite(expected).all() and expected.abs().max() > 0
         torch.testing.assert_close(from_gguf.encode(prompt, CPU), expected, rtol=0, atol=0)
+
+
+def test_the_all_in_one_loader_takes_a_gguf_text_encoder_as_its_last_input(listed):
+    from comfyui_ernie_image.nodes.loaders import ErnieImageLoader
+
+    inputs = ErnieImageLoader.define_schema().inputs
+    assert inputs[-1].id == "text_encoder" and inputs[-1].optional and inputs[-1].default == "snapshot"
+    assert listed["gguf"] in inputs[-1].options and listed["pe"] not in inputs[-1].options
+    snapshot = "diffusers/ERNIE-Image-Turbo-tiny"
+    before = ErnieImageLoader.execute(snapshot).result[1]  # as a workflow saved before the input runs it
+    chosen = ErnieImageLoader.execute(snapshot, text_encoder=listed["gguf"]).result[1]
+    twin = ErnieImageLoader.execute(snapshot, text_encoder=listed["twin"]).result[1]
+    assert before.encoder.source.endswith("text_encoder")
+    assert any(isinstance(m, GGUFBlockLinear) for m in chosen.encoder.language_model.modules())
+    torch.testing.assert_close(chosen.encode(PROMPTS[0]), twin.encode(PROMPTS[0]), rtol=0, atol=0)
