@@ -80,6 +80,18 @@ def gguf_name(name: str) -> str:
     return f"blk.{index}.{layer}.weight"
 
 
+def held_bytes(name: str, tensor: GGUFTensor, dtype: torch.dtype, lm_head: bool = True) -> int:
+    """The bytes the file's tensor ``name`` (llama.cpp's name) takes once loaded computing in ``dtype`` (what the
+    memory plan counts): a quantized decoder projection its blocks, any other tensor decoded into ``dtype``; a head
+    the model does not use (``lm_head=False``, the text encoder) none."""
+    model = model_name(name)
+    if model is None or (model == "lm_head.weight" and not lm_head):
+        return 0
+    if tensor.kind in BLOCKS and DECODER_LINEAR.match(model):
+        return tensor.nbytes
+    return tensor.numel * dtype.itemsize
+
+
 def unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
     """The rows of a query or key projection (``[rows, …]``: values, or a quantized row's blocks) in transformers'
     order, from llama.cpp's (``LlamaModel.permute`` undone)."""

@@ -301,3 +301,14 @@ def test_the_all_in_one_loader_takes_a_gguf_text_encoder_as_its_last_input(liste
     assert before.encoder.source.endswith("text_encoder")
     assert any(isinstance(m, GGUFBlockLinear) for m in chosen.encoder.language_model.modules())
     torch.testing.assert_close(chosen.encode(PROMPTS[0]), twin.encode(PROMPTS[0]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_held_bytes_are_what_the_loaded_encoder_holds(dtype):
+    """What the memory plan is given for a GGUF text encoder, from the header alone."""
+    from comfyui_ernie_image.nodes.gguf.reader import read_gguf
+    from comfyui_ernie_image.nodes.ministral_gguf import held_bytes
+
+    planned = sum(held_bytes(n, t, dtype, lm_head=False) for n, t in read_gguf(FIXTURE).tensors.items())
+    model = ErnieTextEncoder.from_gguf(FIXTURE, dtype).language_model
+    assert planned == sum(p.nbytes for p in model.parameters())
