@@ -24,8 +24,9 @@ from .dit.vae import decode_memory
 from .errors import ErnieImageError
 from .gguf.reader import read_gguf
 from .host.memory import torch_device
-from .host.plan import pinnable, placement_fixed, step_estimate, usable_for_models, working_floor
+from .host.plan import pinnable, placement_fixed, step_estimate, total_memory, usable_for_models, working_floor
 from .host.probe import costs_here
+from .host.sampling import Interrupted
 from .ministral_file import IGNORED, LM_HEADS
 from .model_files import is_gguf, read_folder_headers, read_header
 from .paths import model_file_path
@@ -42,7 +43,7 @@ from .plan.describe import (
     vae_record,
 )
 from .plan.planner import GIB, BelowFloor, Card, Plan, plan
-from .plan.records import CPU, PER_PROMPT, PROMPT_ENHANCER, RESIDENT, TEXT_ENCODER, LoadRecord
+from .plan.records import CPU, PER_PROMPT, PROMPT_ENHANCER, RESIDENT, TEXT_ENCODER, LoadRecord, LoraSet
 from .plan.session import AUTO
 from .quant.capability import FP8_MIN_ARCH, probe
 from .quant.saved import weight_files
@@ -99,6 +100,8 @@ def wanted(prompt: Mapping) -> Wanted:
         if not isinstance(entry, Mapping):
             continue
         kind, inputs = entry.get("class_type"), entry.get("inputs") or {}
+        if not isinstance(inputs, Mapping):
+            continue
         name = _value(inputs, "model_name", None)
         if kind == "ErnieImageLoader" and (model := _resolved(SNAPSHOT_MODELS, name)):
             snapshot = model[1]
@@ -133,7 +136,7 @@ def wanted(prompt: Mapping) -> Wanted:
             steps = _value(inputs, "steps", 8)
             if isinstance(steps, int) and steps > 0:
                 found["steps"] = steps
-        if kind in ("KSampler", "KSamplerAdvanced", "CFGGuider"):
+        if kind in ("KSampler", "KSamplerAdvanced", "CFGGuider", "SamplerCustom"):
             cfg = _value(inputs, "cfg", 1.0)
             found["forwards"] = 2 if isinstance(cfg, int | float) and cfg != 1.0 else 1
         if kind == "ErnieImagePromptEnhance":
@@ -192,46 +195,67 @@ def _places(device_choice: str, device: torch.device) -> tuple[str, ...] | None:
     return ()
 
 
-def records(want: Wanted, device: torch.device) -> tuple[list[LoadRecord], object]:
-    """The load records of the graph's models (headers only) and its LoRA set."""
-    floor = working_floor()
-    found: list[LoadRecord] = []
+def _dit(want: Wanted, device: torch.device, floor: int) -> LoadRecord:
+    path, quantization, weight_dtype = want.dit
+    gguf = is_gguf(path)
+    tensors = _tensors(path) if gguf else [t for f in weight_files(path) if f.suffix == ".safetensors"
+                                           for t in _tensors(f)]
+    facts = probe(device)
     compiles = compiles_by_default(device)
+    pixels = want.latent[0] * want.latent[-2] * want.latent[-1] / (LATENT_1024[-2] * LATENT_1024[-1])
+    return dit_record(str(path), tensors, gguf_type=dominant_gguf_type(tensors) if gguf else None,
+                      fp8_matmul=facts.torchao and facts.arch is not None and facts.arch >= FP8_MIN_ARCH,
+                      runs=want.steps * want.forwards,
+                      working=max(floor, step_estimate(ErnieImageConfig, want.latent, torch.bfloat16)),
+                      fixed=None if quantization == AUTO or gguf else f"{quantization}/{weight_dtype}",
+                      compute_scale=pixels * (COMPILED if compiles else 1.0),
+                      eager_factor=1 / COMPILED if compiles else 1.0)
+
+
+def _language_model_record(role: str, want: Wanted, device: torch.device, floor: int) -> LoadRecord | None:
+    if role == TEXT_ENCODER:
+        path, snapshot, device_choice, weight_dtype = want.text
+        where, lm_head = (path / "text_encoder" if snapshot else path), False
+    else:
+        path, device_choice, weight_dtype = want.pe
+        where, lm_head = path, True
+    places = _places(device_choice, device)
+    if places == ():
+        return None  # on another GPU: not this card's
+    streams = role == TEXT_ENCODER and os.environ.get(STREAM_TEXT_ENCODER_ENV, "off").strip().lower() == "on"
+    return language_model_record(
+        role, str(path), _tensors(where, lambda n: _language_model(n, lm_head)),
+        runs=1 if role == TEXT_ENCODER else want.pe_tokens, working=floor,
+        fixed_form=None if weight_dtype == AUTO else weight_dtype, places=places, streams=streams)
+
+
+def records(want: Wanted, device: torch.device) -> tuple[list[LoadRecord], LoraSet | None]:
+    """The load records of the graph's models (headers only) and its LoRA set. A model whose files cannot be read
+    is left out: its loader says what is wrong when it runs."""
+    floor = working_floor()
+    makers = []
     if want.dit is not None:
-        path, quantization, weight_dtype = want.dit
-        gguf = is_gguf(path)
-        tensors = _tensors(path) if gguf else [t for f in weight_files(path) if f.suffix == ".safetensors"
-                                               for t in _tensors(f)]
-        kinds: dict[str, int] = {}
-        for t in (read_gguf(path).tensors.values() if gguf else ()):
-            kinds[t.kind] = kinds.get(t.kind, 0) + t.nbytes
-        facts = probe(device)
-        fixed = None if quantization == AUTO or gguf else f"{quantization}/{weight_dtype}"
-        pixels = want.latent[0] * want.latent[-2] * want.latent[-1] / (LATENT_1024[-2] * LATENT_1024[-1])
-        working = max(floor, step_estimate(ErnieImageConfig, want.latent, torch.bfloat16))
-        found.append(dit_record(str(path), tensors, gguf_type=dominant_gguf_type(kinds) if gguf else None,
-                                fp8_matmul=facts.torchao and facts.arch is not None and facts.arch >= FP8_MIN_ARCH,
-                                runs=want.steps * want.forwards, working=working, fixed=fixed,
-                                compute_scale=pixels * (COMPILED if compiles else 1.0),
-                                eager_factor=1 / COMPILED if compiles else 1.0))
-    for role, entry, lm_head in ((TEXT_ENCODER, want.text, False), (PROMPT_ENHANCER, want.pe, True)):
-        if entry is None:
-            continue
-        path, device_choice, weight_dtype = (entry[0], *entry[2:]) if role == TEXT_ENCODER else entry
-        places = _places(device_choice, device)
-        if places == ():
-            continue  # on another GPU: not this card's
-        where = path / "text_encoder" if role == TEXT_ENCODER and entry[1] else path
-        tensors = _tensors(where, lambda n, head=lm_head: _language_model(n, head))
-        streams = role == TEXT_ENCODER and os.environ.get(STREAM_TEXT_ENCODER_ENV, "off").strip().lower() == "on"
-        found.append(language_model_record(
-            role, str(path), tensors, runs=1 if role == TEXT_ENCODER else want.pe_tokens, working=floor,
-            fixed_form=None if weight_dtype == AUTO else weight_dtype, places=places, streams=streams))
+        makers.append(lambda: _dit(want, device, floor))
+    if want.text is not None:
+        makers.append(lambda: _language_model_record(TEXT_ENCODER, want, device, floor))
+    if want.pe is not None:
+        makers.append(lambda: _language_model_record(PROMPT_ENHANCER, want, device, floor))
     if want.vae is not None and want.vae.is_file():
-        found.append(vae_record(str(want.vae), _tensors(want.vae),
-                                max(floor, decode_memory(want.latent, torch.bfloat16) * want.latent[0])))
+        working = max(floor, decode_memory(want.latent, torch.bfloat16) * want.latent[0])
+        makers.append(lambda: vae_record(str(want.vae), _tensors(want.vae), working))
+    found = []
+    for make in makers:
+        try:
+            record = make()
+        except (ErnieImageError, OSError):
+            continue
+        if record is not None:
+            found.append(record)
     loras = [p for p in want.loras if p.is_file()]
-    lora = lora_set([p.name for p in loras], [t for p in loras for t in _tensors(p)]) if loras else None
+    try:
+        lora = lora_set([p.name for p in loras], [t for p in loras for t in _tensors(p)]) if loras else None
+    except (ErnieImageError, OSError):
+        lora = None
     return found, lora
 
 
@@ -248,7 +272,14 @@ def make_plan(prompt: Mapping) -> Plan | None:
     if fixed is not None:
         _say_once(f"ERNIE-Image: {fixed}: models are placed as ComfyUI places them (no memory plan)")
         return None
-    costs = costs_here(device)
+    try:
+        costs = costs_here(device)
+    except Interrupted:
+        raise
+    except Exception as error:  # a probe that cannot measure here leaves placement to core, and says why once
+        _say_once(f"ERNIE-Image: the costs of this GPU could not be measured ({type(error).__name__}: "
+                  f"{str(error)[:200]}): models are placed as ComfyUI places them (no memory plan)", logging.WARNING)
+        return None
     if costs is None:
         return None
     want = wanted(prompt)
@@ -257,13 +288,19 @@ def make_plan(prompt: Mapping) -> Plan | None:
     kept = _made.get(key)
     if kept is not None and abs(kept.card.usable - usable) <= DRIFT:
         return kept
-    found, lora = records(want, device)
-    if not found:
-        return None
     try:
-        made = plan(found, Card(usable, pinnable()), costs, lora)
+        found, lora = records(want, device)
+        made = plan(found, Card(usable, pinnable()), costs, lora) if found else None
     except BelowFloor as below:
-        raise ErnieImageError(below_floor_words(below, usable, found)) from below
+        raise ErnieImageError(below_floor_words(below, usable, total_memory(device) - usable, found)) from below
+    except Interrupted:
+        raise
+    except Exception:  # a fault of the plan itself must not stop the prompt: core places the models, as before
+        logging.warning("ERNIE-Image: the memory plan failed; models are placed as ComfyUI places them",
+                        exc_info=True)
+        return None
+    if made is None:
+        return None
     logging.info("ERNIE-Image: %s", made.line())
     _made.clear()
     _made[key] = made
@@ -273,22 +310,25 @@ def make_plan(prompt: Mapping) -> Plan | None:
 _said: set[str] = set()
 
 
-def _say_once(words: str) -> None:
+def _say_once(words: str, level: int = logging.INFO) -> None:
     if words not in _said:
         _said.add(words)
-        logging.info(words)
+        logging.log(level, words)
 
 
-def below_floor_words(below: BelowFloor, usable: int, found: list[LoadRecord]) -> str:
-    """Below the floor: the smallest card these files can serve, and what to download to go lower."""
+def below_floor_words(below: BelowFloor, usable: int, overhead: int, found: list[LoadRecord]) -> str:
+    """Below the floor: the smallest card these files can serve (what they need, with ``overhead``: what this card
+    keeps from models now, its CUDA context, core's reserve and other programs), and what to download to go lower."""
     dit = next((r for r in found if r.role == "DiT"), None)
     gguf = dit is not None and any(f.name.startswith("GGUF") for f in dit.forms)
     lower = ("a smaller GGUF of the DiT (Q3_K_M or Q2_K) in models/diffusion_models" if gguf else
              "a GGUF of the DiT (the community's Q4_K_M, 5.2 GB) in models/diffusion_models, with the "
              "ernie_image_turbo_gguf workflow")
     return (f"These models need at least {below.needed / GIB:.1f} GiB of GPU memory for ComfyUI's models (with every "
-            f"part that can stream streamed); this GPU has {usable / GIB:.1f} GiB usable now. Close programs that use "
-            f"the GPU, or download {lower}.")
+            f"part that can stream streamed); this GPU has {usable / GIB:.1f} GiB usable now, so the smallest card "
+            f"they can serve is about {(below.needed + overhead) / GIB:.1f} GiB with what this one keeps from models "
+            f"now (other programs, the CUDA context, ComfyUI's reserve). Close programs that use the GPU, or download "
+            f"{lower}.")
 
 
 session.register(make_plan)

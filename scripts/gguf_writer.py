@@ -2,11 +2,11 @@
 random weights: the tests' tiny files (``tests/helpers/gguf_files.py``) and the GPU end-to-end check's true-size one
 (``checks/gpu/e2e_models.py``) come from here.
 
-The ``gguf`` package quantizes Q8_0 but cannot write K-quants: those tensors are random valid blocks (random bytes
-with finite fp16 scales, sized so the weights stay small), as llama.cpp lays them out; the weights' own values are not
-read for them, so a true-size file costs random bytes, not quantization. Names are the released keys; 1-D tensors are
-F32; tensors whose rows do not fill whole 256-value blocks are stored as rows of 256 with their shape in
-``comfy.gguf.orig_shape.<name>`` (ComfyUI-GGUF's tools/convert.py).
+The ``gguf`` package quantizes Q8_0, Q5_1, Q5_0, Q4_1 and Q4_0 but cannot write K-quants or IQ4: those tensors are
+random valid blocks (random bytes with finite fp16 scales, sized so the weights stay small), as llama.cpp lays them
+out; the weights' own values are not read for them, so a true-size file costs random bytes, not quantization. Names
+are the released keys; 1-D tensors are F32; tensors whose rows do not fill whole blocks are stored as rows of 256 with
+their shape in ``comfy.gguf.orig_shape.<name>`` (ComfyUI-GGUF's tools/convert.py).
 
 A file is written tensor by tensor: the header first, from the shapes alone, then each tensor's bytes as they are
 made, so host memory holds one tensor's at a time (an 8B DiT's largest is 41 MB in Q6_K) whatever the model's size.
@@ -23,11 +23,14 @@ import numpy as np
 import torch
 
 T = gguf.GGMLQuantizationType
-# Where llama.cpp's blocks keep their fp16 scales (ggml-common.h: block_q8_0, block_q3_K … block_q6_K),
-# and the largest |integer × sub-block scale| each multiplies them by: scales are drawn so that |weight| < 0.15
-# (a spread of about 0.03, near the normal(0, 0.02) of the check's other random models).
-SCALES = {"Q8_0": (0,), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-SPAN = {"Q3_K": 32 * 4, "Q4_K": 63 * 15, "Q5_K": 63 * 31, "Q6_K": 127 * 32}
+# Where llama.cpp's blocks keep their fp16 scales (ggml-common.h: block_q4_0 … block_q8_0, block_q2_K … block_q6_K,
+# block_iq4_nl, block_iq4_xs), and, for the types written as random blocks, the largest |integer × sub-block scale|
+# each multiplies them by: scales are drawn so that |weight| < 0.15 (a spread of about 0.03, near the normal(0, 0.02)
+# of the check's other random models).
+SCALES = {"Q8_0": (0,), "Q5_1": (0, 2), "Q5_0": (0,), "Q4_1": (0, 2), "Q4_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,),
+          "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+SPAN = {"Q2_K": 3 * 15, "Q3_K": 32 * 4, "Q4_K": 63 * 15, "Q5_K": 63 * 31, "Q6_K": 127 * 32, "IQ4_NL": 127,
+        "IQ4_XS": 32 * 127}
 ORIG_SHAPE = "comfy.gguf.orig_shape."
 # The types the writer takes as numpy numbers; the others it takes as GGML bytes.
 NUMPY = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16)}
@@ -78,7 +81,7 @@ def stored_shape(kind: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], bo
 
 def encode(kind: str, value: torch.Tensor, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     """The data GGUFWriter takes for ``value`` stored as ``kind`` with the values' ``shape`` (``stored_shape``): its
-    numbers, quantized, or random blocks for a K-quant (``value`` is then not read: it may be on any device)."""
+    numbers, quantized, or random blocks for a K-quant or IQ4 (``value`` is then not read: it may be on any device)."""
     if kind in SPAN:
         return random_blocks(kind, math.prod(shape), rng).reshape(*shape[:-1], -1)
     array = value.detach().float().cpu().numpy().reshape(shape)

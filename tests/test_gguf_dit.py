@@ -23,7 +23,14 @@ from scripts.gguf_writer import mixed_kind, uniform_kind, write_gguf
 from scripts.tiny_models import TINY_DIT, tiny_dit_state, write_gguf_dit
 
 CPU, GPU = torch.device("cpu"), torch.device("meta")
-FILES = {"Q8_0": uniform_kind("Q8_0"), "Q4_K_M": mixed_kind, "Q5_K": uniform_kind("Q5_K"), "Q3_K": uniform_kind("Q3_K")}
+# The other types ComfyUI-GGUF reads, in one file to keep the tests quick: the legacy types quantized by the gguf
+# package, Q2_K and IQ4 as random valid blocks; the patch embedding (decoded at load) Q4_0.
+OTHERS = {"to_q": "Q4_0", "to_k": "Q4_1", "to_v": "Q5_0", "to_out": "Q5_1", "gate_proj": "IQ4_NL",
+          "up_proj": "IQ4_XS", "linear_fc2": "Q2_K", "adaLN_modulation": "Q5_1", "final_linear": "IQ4_NL"}
+FILES = {"Q8_0": uniform_kind("Q8_0"), "Q4_K_M": mixed_kind, "Q5_K": uniform_kind("Q5_K"), "Q3_K": uniform_kind("Q3_K"),
+         "legacy_IQ4_Q2_K": lambda name, value: mixed_kind(name, value, OTHERS, "Q4_0")}
+HELD_TYPES = {"Q8_0": {"Q8_0"}, "Q4_K_M": {"Q4_K", "Q5_K", "Q6_K"}, "Q5_K": {"Q5_K"}, "Q3_K": {"Q3_K"},
+              "legacy_IQ4_Q2_K": {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "Q2_K"}}
 
 
 @pytest.fixture(scope="module", params=list(FILES))
@@ -56,6 +63,7 @@ def test_the_linear_layers_keep_the_files_blocks(gguf_file):
     # Every quantized linear weight is held as its blocks, byte for byte the file's; the patch embedding (a conv)
     # is decoded at load.
     assert held == {k: v for k, v in quantized.items() if k != "x_embedder.proj.weight"}
+    assert {kind for kind, _ in held.values()} == HELD_TYPES[gguf_file.stem[17:]]
     assert all(p.device == CPU for p in dit.parameters())
     shapes = weight_shapes(dit)
     assert shapes["layers.0.mlp.gate_proj.weight"] == (128, 64)
@@ -63,8 +71,8 @@ def test_the_linear_layers_keep_the_files_blocks(gguf_file):
     total_bf16 = 2 * sum(math.prod(s) for s in shapes.values())
     print(f"{gguf_file.name}: the {len(held)} GGUF layers hold {blocks} bytes ({blocks_bf16} in bf16, "
           f"{blocks / blocks_bf16:.3f}); the DiT {module_bytes(dit)} bytes (the rest float32; {total_bf16} in bf16)")
-    assert blocks / blocks_bf16 <= {"Q8_0": 34 / 64, "Q4_K_M": 210 / 512, "Q5_K": 176 / 512,
-                                  "Q3_K": 110 / 512}[gguf_file.stem[17:]]
+    assert blocks / blocks_bf16 <= {"Q8_0": 34 / 64, "Q4_K_M": 210 / 512, "Q5_K": 176 / 512, "Q3_K": 110 / 512,
+                                  "legacy_IQ4_Q2_K": 24 / 64}[gguf_file.stem[17:]]
     assert patcher.model_size() == module_bytes(patcher.model)  # what core plans its loads with: the same bytes
 
 

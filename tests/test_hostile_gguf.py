@@ -152,11 +152,13 @@ def test_a_non_finite_plain_value_is_refused(placed, state):
 
 
 def test_a_type_the_pack_does_not_read_is_named_with_advice(placed, state):
-    name = listed(placed_gguf(placed, "q4_0.gguf", state, lambda n, v: "F32" if v.ndim == 1 else
-                              ("Q4_0" if "to_k" in n else "Q8_0")))
-    with pytest.raises(ErnieImageError, match=r"q4_0\.gguf stores layers\.0\.self_attention\.to_k\.weight as Q4_0 "
+    """TQ2_0 (BitNet's ternary type: llama.cpp reads it, ComfyUI-GGUF does not)."""
+    name = listed(placed_gguf(placed, "tq2_0.gguf", state, lambda n, v: "F32" if v.ndim == 1 else
+                              ("TQ2_0" if "to_k" in n else "Q8_0")))
+    with pytest.raises(ErnieImageError, match=r"tq2_0\.gguf stores layers\.0\.self_attention\.to_k\.weight as TQ2_0 "
                        r"\(and 9 more tensors in types it cannot read\), a GGUF type this pack does not read\. The "
-                       r"pack reads the GGUF types Q8_0, Q6_K, Q5_K, Q4_K and Q3_K"):
+                       r"pack reads the GGUF types Q8_0, Q6_K, Q5_1, Q5_K, Q5_0, Q4_1, Q4_K, IQ4_NL, Q4_0, IQ4_XS, "
+                       r"Q3_K and Q2_K"):
         load(name)
 
 

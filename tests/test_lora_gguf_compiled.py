@@ -185,6 +185,7 @@ def test_blocks_with_a_lora_compile_and_a_new_strength_or_lora_compiles_nothing(
             return sample(apply_compile(model, "default"), **TURBO), [m for m in caplog.messages if "compiled" in m]
 
     torch._dynamo.reset()
+    counters.clear()  # dynamo's counts are the process's: earlier tests' graphs are not this test's
     plain = _gguf_model(gguf_path)
     layers = tuple(f"layers.{i}.mlp.up_proj" for i in range(BLOCKS))
     results, graphs = [], []

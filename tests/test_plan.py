@@ -171,3 +171,20 @@ def test_records_count_the_language_models_bytes_from_their_shapes():
     assert 3.6e9 < fp8.weight_bytes < 4.2e9  # its decoder linears in one byte, the 0.8 GB embedding as stored
     assert fp8.block_bytes * 26 < fp8.weight_bytes and fp8.block_bytes > 0
     assert Tensor("layers.0.x.weight", (4, 4)).fp8 == 16 + 4 * 4
+
+
+def test_a_gguf_text_encoder_is_one_form_of_its_file():
+    """A llama.cpp GGUF of the text encoder: its blocks as stored, counted per ``blk.N.`` layer; fp8 asked of it is
+    left to its loader, which refuses it."""
+    from comfyui_ernie_image.nodes.plan.describe import gguf_tensor
+
+    tensors = [gguf_tensor("token_embd.weight", (131072, 3072), "Q6_K", 131072 * 3072 // 256 * 210)]
+    for i in range(26):
+        for name, shape in (("attn_q", (4096, 3072)), ("ffn_up", (9216, 3072))):
+            tensors.append(gguf_tensor(f"blk.{i}.{name}.weight", shape, "Q4_K", shape[0] * shape[1] // 256 * 144))
+    record = language_model_record(TEXT_ENCODER, "te.gguf", tensors, runs=1, working=FLOOR,
+                                   fixed_form="fp8_e4m3fn")
+    (form,) = record.forms
+    assert (form.name, form.setting, form.compute) == ("GGUF Q4_K", "default", "text:gguf:Q4_K")
+    assert form.weight_bytes == sum(t.stored for t in tensors) and form.block_bytes * 26 < form.weight_bytes
+    assert record.fixed_form is None

@@ -152,7 +152,8 @@ def test_below_the_floor_the_error_names_the_least_memory_and_what_to_download_o
     from comfyui_ernie_image.nodes.errors import ErnieImageError
 
     card(2)
-    with pytest.raises(ErnieImageError, match=r"need at least \d+\.\d GiB .* smaller GGUF of the DiT"):
+    with pytest.raises(ErnieImageError, match=r"need at least \d+\.\d GiB .* smallest card they can serve is about "
+                       r"\d+\.\d GiB .* smaller GGUF of the DiT"):
         planning.make_plan(_gguf_graph())
 
 
@@ -201,3 +202,57 @@ def test_without_a_plan_an_out_of_memory_is_not_retried_injected_oom(tiny_models
     with OutOfMemoryOnce() as fault, pytest.raises(torch.OutOfMemoryError, match="ERNIE-Image: "):
         sample(model, steps=1, cfg=1.0)
     assert fault.raised == 1
+
+
+@pytest.mark.parametrize(("twin", "steps", "forwards", "pe_tokens"), [("ernie_image_pe_local", 8, 1, 2048),
+                                                                       ("ernie_image_base", 50, 2, None)])
+def test_the_graph_is_read_for_its_models_and_the_prompts_size(comfy_paths, tiny_models, twin, steps, forwards,
+                                                               pe_tokens):
+    """A shipped workflow's graph (its API twin) on the tiny snapshot: the all-in-one loader's DiT, text encoder, VAE
+    and, where the graph enhances prompts, its PE; the steps, CFG's second pass, the PE's new tokens and the latent."""
+    from comfyui_ernie_image.nodes import planning
+
+    prompt = json.loads((REPO / "tests" / "workflows" / f"{twin}.json").read_text())
+    snapshot = tiny_models["snapshot"]
+    for node in prompt.values():
+        if node["class_type"] == "ErnieImageLoader":
+            node["inputs"]["model_name"] = f"diffusers/{snapshot.name}"
+    want = planning.wanted(prompt)
+    assert want.dit[0] == snapshot and want.text[:2] == (snapshot, True)
+    assert want.vae == snapshot / "vae" / "diffusion_pytorch_model.safetensors"
+    assert (want.pe is not None) == (pe_tokens is not None) and (want.pe is None or want.pe[0] == snapshot / "pe")
+    assert (want.steps, want.forwards, want.latent) == (steps, forwards, (1, 128, 64, 64))
+    if pe_tokens:
+        assert want.pe_tokens == pe_tokens
+
+
+@pytest.mark.parametrize("flag", ["gpu_only", "highvram", "lowvram", "novram"])
+def test_under_a_placement_flag_core_places_the_models_on_a_faked_10gb_card(card, true_size_files, monkeypatch, flag,
+                                                                            caplog):
+    import comfy.cli_args
+
+    from comfyui_ernie_image.nodes import planning
+
+    card(10)
+    monkeypatch.setattr(comfy.cli_args.args, flag, True)
+    planning._said.clear()
+    with caplog.at_level(logging.INFO):
+        assert planning.make_plan(_gguf_graph()) is None
+    words = f"--{flag.replace('_', '-')}: models are placed as ComfyUI places them (no memory plan)"
+    assert any(words in r.getMessage() for r in caplog.records)
+
+
+def test_a_fault_in_the_plan_leaves_placement_to_core_and_says_so_injected_fault(card, true_size_files, monkeypatch,
+                                                                                   caplog):
+    """A fault of the plan itself (injected: none is known) must not stop the prompt."""
+    from comfyui_ernie_image.nodes import planning
+
+    card(10)
+
+    def broken(want, device):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(planning, "records", broken)
+    with caplog.at_level(logging.WARNING):
+        assert planning.make_plan(_gguf_graph()) is None
+    assert any("the memory plan failed" in r.getMessage() for r in caplog.records)

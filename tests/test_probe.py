@@ -55,7 +55,8 @@ def test_the_probe_gives_a_finite_positive_cost_for_every_form_and_reports_its_p
     steps = []
     costs = probe.measure(CPU, TINY, progress=lambda done, total: steps.append((done, total)))
     gguf = {f"dit:gguf:{kind}" for kind in BLOCKS}
-    assert gguf == {"dit:gguf:Q8_0", "dit:gguf:Q3_K", "dit:gguf:Q4_K", "dit:gguf:Q5_K", "dit:gguf:Q6_K"}
+    assert gguf == {f"dit:gguf:{kind}" for kind in ("Q8_0", "Q6_K", "Q5_1", "Q5_K", "Q5_0", "Q4_1", "Q4_K", "IQ4_NL",
+                                                    "Q4_0", "IQ4_XS", "Q3_K", "Q2_K")}
     fp8_matmul = {"dit:fp8_matmul"} if probe.fp8_matmul_runs(CPU) else set()
     assert set(costs.seconds) == {"dit:bf16", "dit:fp8_cast", "text:bf16", "text:fp8", "pe:bf16", "pe:fp8"} | gguf \
         | fp8_matmul

@@ -114,12 +114,18 @@ FIND_PROBLEMS = """() => {
 }"""
 
 
-@pytest.mark.parametrize("path", WORKFLOWS, ids=IDS)
-def test_workflow_loads_in_the_frontend(ui_server, browser, path, tmp_path):
-    page = browser.new_page(viewport={"width": 1600, "height": 900})
+def open_workflow(ui_server, browser, workflow: dict, width: int = 1600, height: int = 900):
+    """A new page of the real frontend with ``workflow`` (UI format) loaded into it, as a user opens a file."""
+    page = browser.new_page(viewport={"width": width, "height": height})
     page.goto(ui_server.url, timeout=120_000)
     page.wait_for_function("window.app && window.app.graph", timeout=120_000)
-    page.evaluate("async (workflow) => { await window.app.loadGraphData(workflow); }", json.loads(path.read_text()))
+    page.evaluate("async (workflow) => { await window.app.loadGraphData(workflow); }", workflow)
+    return page
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=IDS)
+def test_workflow_loads_in_the_frontend(ui_server, browser, path, tmp_path):
+    page = open_workflow(ui_server, browser, json.loads(path.read_text()))
     page.wait_for_timeout(1000)
     problems = page.evaluate(FIND_PROBLEMS)
     missing_models_dialogs = page.locator(".comfy-missing-models").count()  # every file is there under its name
@@ -176,10 +182,8 @@ FIND_LAYOUT_PROBLEMS = """() => {
 def test_workflow_layout_in_the_frontend(ui_server, browser, path):
     """As the frontend places it: no node covers another, every widget and every note's text lies inside its node,
     and every link runs left to right, as ComfyUI's own templates read."""
-    page = browser.new_page(viewport={"width": 3840, "height": 2400})  # the whole of the widest workflow at scale 1
-    page.goto(ui_server.url, timeout=120_000)
-    page.wait_for_function("window.app && window.app.graph", timeout=120_000)
-    page.evaluate("async (workflow) => { await window.app.loadGraphData(workflow); }", json.loads(path.read_text()))
+    # The whole of the widest workflow at scale 1.
+    page = open_workflow(ui_server, browser, json.loads(path.read_text()), width=3840, height=2400)
     page.evaluate(SHOW_WHOLE_GRAPH)
     page.wait_for_timeout(1000)
     problems = page.evaluate(FIND_LAYOUT_PROBLEMS)
@@ -236,7 +240,12 @@ def test_ui_workflow_and_api_twin_agree(ui_server, path):
 def test_api_twin_runs_to_an_image(ui_server, tiny_models, path, tmp_path):
     if path.stem in NEEDS_COMFYUI_019:
         pytest.skip(NEEDS_COMFYUI_019[path.stem])
-    graph = _api_twin(path)
+    assert_runs_to_an_image(ui_server, tiny_models, _api_twin(path), tmp_path)
+
+
+def assert_runs_to_an_image(ui_server, tiny_models, graph: dict, tmp_path: Path) -> None:
+    """``graph`` (API format) runs to an image on the headless server, at a small size; a DiT quantization other
+    than none or auto stops at the loader with the reason, as it must on the CPU."""
     for node in graph.values():  # tiny models, small images: the graph is the point, not the size
         if node["class_type"].startswith("Empty") and "width" in node["inputs"]:
             node["inputs"].update(width=128, height=128)

@@ -67,12 +67,17 @@ WORKFLOWS = ("ernie_image_turbo", "ernie_image_turbo_single_files", "ernie_image
 # whole from the other twin and put after the model loader (a LoRA: it takes the MODEL the sampler took). The
 # low-VRAM workflow's note gives three: its loader with the LoRA workflow's LoRA, the Turbo workflow with the fp8
 # text encoder (24 GB, bf16 as released) and the PE workflow with its loader's settings; the GGUF workflow's note
-# (it reads the Q4_K_M file e2e_models.py writes) its 8 GB setting, the text encoder as it is, a LoRA, the Q3_K_M
-# file, core's tiled decode, and Base (the same random weights: the architecture is the same) at 50 steps, CFG 4.
+# (it reads the Q4_K_M file e2e_models.py writes) its 8 and 12 GB settings before the memory plan (explicit values,
+# which the plan keeps), a LoRA, the Q3_K_M file, core's tiled decode, and Base (the same random weights: the
+# architecture is the same) at 50 steps, CFG 4.
 DERIVED = {
     "ernie_image_low_vram_lora": ("ernie_image_turbo_lora", {"loader": "ernie_image_low_vram"}),
-    "ernie_image_turbo_te_fp8": ("ernie_image_turbo", {"loader": {"text_encoder_weight_dtype": "fp8_e4m3fn"}}),
-    "ernie_image_gguf": ("ernie_image_turbo_gguf", {"te": {"weight_dtype": "default"}}),  # 8 GB: the TE on the CPU
+    "ernie_image_turbo_te_fp8": ("ernie_image_turbo", {"loader": {  # 24 GB, bf16 as released: the recipe's values
+        "quantization": "none", "text_encoder_device": "default", "text_encoder_weight_dtype": "fp8_e4m3fn"}}),
+    "ernie_image_gguf": ("ernie_image_turbo_gguf", {"te": {  # 8 GB before the plan: the TE on the CPU
+        "device": "default", "weight_dtype": "default"}}),
+    "ernie_image_gguf_te_fp8": ("ernie_image_turbo_gguf", {"te": {  # 12 GB before the plan: the TE in fp8
+        "device": "default", "weight_dtype": "fp8_e4m3fn"}}),
     "ernie_image_turbo_gguf_lora": ("ernie_image_turbo_gguf", {"lora": "ernie_image_turbo_lora"}),
     "ernie_image_gguf_lora": ("ernie_image_gguf", {"lora": "ernie_image_turbo_lora"}),
     "ernie_image_gguf_q3": ("ernie_image_gguf", {
@@ -84,7 +89,8 @@ DERIVED = {
         "sampler": {"cfg": 4.0}}),
     # 16 and 24 GB: the PE workflow with the low-VRAM loader's settings and the PE in fp8 too.
     "ernie_image_pe_low_vram": ("ernie_image_pe_local", {"loader": {
-        "quantization": "auto", "text_encoder_weight_dtype": "fp8_e4m3fn", "pe_weight_dtype": "fp8_e4m3fn"}}),
+        "quantization": "auto", "text_encoder_device": "default", "text_encoder_weight_dtype": "fp8_e4m3fn",
+        "pe_weight_dtype": "fp8_e4m3fn"}}),
 }
 NOT_RUN = {"ernie_image_turbo_native": "needs ComfyUI >= 0.19 (native ERNIE loaders); the check runs {core}",
            "ernie_image_pe_remote": "needs an OpenAI-compatible server; CPU tests run it against transformers serve"}

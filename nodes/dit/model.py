@@ -173,8 +173,8 @@ class ErnieImageModel(BaseModel):
                                          if (q := q4_k_m_bytes(w)) is not None)
         storage = getattr(getattr(dit, "precision", None), "storage", None) or self.get_dtype()
         return PackModel(DIT, module_bytes(dit), dtype_name(storage), fp8_saving=saving,
-                         quantization=getattr(dit, "quantization", "none"),
-                         quantize_to=getattr(dit, "quantize_to", None), quantize_saving=saving,
+                         quantization=dit.quantization,
+                         quantize_to=dit.quantize_to, quantize_saving=saving,
                          gguf_saving=gguf_saving)
 
     def extra_conds(self, **kwargs) -> dict:

@@ -55,6 +55,11 @@ def usable_for_models(device: torch.device) -> int:
     return usable_memory(device) + _loaded_on(device)
 
 
+def total_memory(device: torch.device) -> int:
+    """The card's memory as core reads it."""
+    return int(mm.get_total_memory(device))
+
+
 def pinnable() -> int:
     """Host bytes core would still pin (its ``MAX_PINNED_MEMORY`` less what is pinned; 0 where the core does not
     pin, or ``--disable-pinned-memory``)."""

@@ -18,17 +18,18 @@ from .records import CPU, DIT, PARTIAL, PER_PROMPT, RESIDENT, STREAMED, VAE, For
 
 COMPUTE_BYTES = 2  # bf16: what the pack computes the models in on the GPUs it plans for
 ROW_SCALE = 4  # one fp32 scale per output row of an fp8 weight
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_LAYER = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.")  # transformers' and diffusers' names, llama.cpp's
 
 
 @dataclass(frozen=True)
 class Tensor:
     """One tensor as a header declares it: ``name``, ``shape``, and ``stored`` bytes where it stays as stored (a
-    GGUF block type, an fp8 weight); None where it is held in the compute dtype."""
+    GGUF block type, an fp8 weight); None where it is held in the compute dtype. ``kind``: its GGUF type."""
 
     name: str
     shape: tuple[int, ...]
     stored: int | None = None
+    kind: str | None = None
 
     @property
     def numel(self) -> int:
@@ -90,12 +91,15 @@ def safetensors_tensor(name: str, shape: tuple[int, ...], dtype: str) -> Tensor:
 
 def gguf_tensor(name: str, shape: tuple[int, ...], kind: str, nbytes: int) -> Tensor:
     """A GGUF header entry: block types stay as stored in linear layers; plain types are decoded to bf16."""
-    return Tensor(name, shape, nbytes if kind in BLOCKS else None)
+    return Tensor(name, shape, nbytes if kind in BLOCKS else None, kind)
 
 
-def dominant_gguf_type(kinds: dict[str, int]) -> str:
+def dominant_gguf_type(tensors: Iterable[Tensor]) -> str:
     """The block type holding most of a file's bytes (``Q4_K`` for a Q4_K_M file that keeps some in ``Q6_K``)."""
-    blocks = {k: n for k, n in kinds.items() if k in BLOCKS}
+    blocks: dict[str, int] = defaultdict(int)
+    for tensor in tensors:
+        if tensor.kind in BLOCKS and tensor.stored is not None:
+            blocks[tensor.kind] += tensor.stored
     return max(blocks, key=blocks.get) if blocks else "F16"
 
 
@@ -124,14 +128,20 @@ def dit_record(source: str, tensors: list[Tensor], *, gguf_type: str | None, fp8
 def language_model_record(role: str, source: str, tensors: list[Tensor], *, runs: int, working: int,
                           fixed_form: str | None = None, places: tuple[str, ...] | None = None,
                           streams: bool = True) -> LoadRecord:
-    """The text encoder or the PE (Ministral 3): bf16 (``default``) or its decoder linears in fp8 (``fp8_e4m3fn``);
-    resident, loaded per prompt, on the CPU, and (the text encoder, one pass per prompt) streamed layer by layer,
-    its embedding table staying on the host."""
+    """The text encoder or the PE (Ministral 3): bf16 (``default``) or its decoder linears in fp8 (``fp8_e4m3fn``),
+    or a GGUF file as it is; resident, loaded per prompt, on the CPU, and (the text encoder, one pass per prompt)
+    streamed layer by layer, its embedding table staying on the host."""
     s = sizes(tensors)
     streamed = (s.block, s.block_fp8) if streams else (0, 0)
-    forms = (Form("bf16", "default", f"{_kind(role)}:bf16", s.total, streamed[0]),
-             Form("fp8", "fp8_e4m3fn", f"{_kind(role)}:fp8", s.total_fp8, streamed[1]))
+    gguf = dominant_gguf_type(tensors) if any(t.kind is not None for t in tensors) else None
+    if gguf is not None:
+        forms = (Form(f"GGUF {gguf}", "default", f"{_kind(role)}:gguf:{gguf}", s.total, streamed[0]),)
+    else:
+        forms = (Form("bf16", "default", f"{_kind(role)}:bf16", s.total, streamed[0]),
+                 Form("fp8", "fp8_e4m3fn", f"{_kind(role)}:fp8", s.total_fp8, streamed[1]))
     possible = (RESIDENT, STREAMED, PER_PROMPT, CPU) if streams else (RESIDENT, PER_PROMPT, CPU)
+    if all(f.setting != fixed_form for f in forms):
+        fixed_form = None  # a setting this file has no form of (fp8 of a GGUF file): its loader refuses it in words
     return LoadRecord(role, source, forms, tuple(p for p in possible if places is None or p in places), working, runs,
                       fixed_form=fixed_form, first_read_bytes=s.total)
 

@@ -58,6 +58,8 @@ class Placement:
 
 @dataclass(frozen=True)
 class Plan:
+    """Every model's placement, the predicted warm and first prompt (seconds) and the predicted peak on the GPU."""
+
     card: Card
     placements: tuple[Placement, ...]
     warm: float
