@@ -14,7 +14,6 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from comfyui_ernie_image.nodes.ministral_gguf import model_name
 from scripts.gguf_writer import ORIG_SHAPE, SCALES
 
 
@@ -126,6 +125,22 @@ def rewrite_gguf(source: Path, path: Path, fields: dict | None = None, drop: tup
     return path
 
 
+# llama.cpp's names of a Llama-like model's tensors and transformers' (gguf-py's tensor_mapping.py, read backwards).
+LLAMA_CPP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+                   "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                   "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                   "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def transformers_name(name: str) -> str:
+    """transformers' name of llama.cpp's tensor ``name`` (``blk.1.attn_q.weight`` → ``model.layers.1.self_attn
+    .q_proj.weight``)."""
+    parts = name.split(".")
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{LLAMA_CPP_NAMES[parts[2]]}.weight"
+    return f"{LLAMA_CPP_NAMES[parts[0]]}.weight"
+
+
 def converter_permute(weights: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
     """llama.cpp's ``LlamaModel.permute`` (0c1e57098, ``conversion/llama.py``), as the converter applies it to the
     query (``n_head, n_head``) and key (``n_head, n_head_kv``) projections."""
@@ -153,7 +168,7 @@ def dequantized_twin(source: Path, tekken_from: Path, path: Path) -> Path:
             original = torch.empty_like(value)
             original[order] = value  # the converter wrote original[order]
             value = original
-        state[model_name(tensor.name)] = value.contiguous()
+        state[transformers_name(tensor.name)] = value.contiguous()
     state["tekken_model"] = load_file(tekken_from)["tekken_model"]
     save_file(state, str(path))
     return path
