@@ -312,3 +312,34 @@ def test_held_bytes_are_what_the_loaded_encoder_holds(dtype):
     planned = sum(held_bytes(n, t, dtype, lm_head=False) for n, t in read_gguf(FIXTURE).tensors.items())
     model = ErnieTextEncoder.from_gguf(FIXTURE, dtype).language_model
     assert planned == sum(p.nbytes for p in model.parameters())
+
+
+# Mistral's tekken split, as llama.cpp 0c1e57098 quotes it from tokenizer.json (src/llama-vocab.cpp, TEKKEN).
+MISTRAL_TEKKEN_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}"
+                          r"\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+"
+                          r"[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def test_a_tekken_gguf_tokenizes_as_transformers_reads_a_tekken_json(tmp_path):
+    """Real Ministral 3 files say ``tokenizer.ggml.pre`` ``tekken``: the tiny vocabulary with that split gives the
+    pieces and ids of transformers' own reading of a tekken.json (what ComfyUI's single files carry) with Mistral's
+    pattern. The pieces tell the splits apart (GPT-2's keeps ``HelloWorld`` and ``12345`` whole); the tiny
+    vocabulary's merges, all inside lowercase words, would give the same ids for either."""
+    import json
+
+    from transformers.integrations.mistral import convert_tekken_tokenizer
+
+    from scripts.tiny_models import make_tokenizer, tekken_json
+
+    tekken = json.loads(tekken_json(make_tokenizer()))
+    tekken["config"]["pattern"] = MISTRAL_TEKKEN_PATTERN
+    (tmp_path / "tekken.json").write_text(json.dumps(tekken))
+    expected = convert_tekken_tokenizer(str(tmp_path / "tekken.json"))
+    path = _variant(tmp_path, "tekken.gguf", fields={"tokenizer.ggml.pre": "tekken"})
+    tokenizer = ErnieTextEncoder.from_gguf(path, torch.float32).tokenizer
+    split, expected_split = (t.backend_tokenizer.pre_tokenizer for t in (tokenizer, expected))
+    for prompt in [*PROMPTS, "HelloWorld 2024 ABCdef it's OK!!", "x\n\n  y\t3.14", "The Sun's light, 12345 mountains."]:
+        assert split.pre_tokenize_str(prompt) == expected_split.pre_tokenize_str(prompt), prompt
+        assert tokenizer(prompt)["input_ids"][1:] == expected(prompt, add_special_tokens=False)["input_ids"], prompt
+    assert [piece for piece, _ in split.pre_tokenize_str("HelloWorld 12345")] == ["Hello", "World", "Ġ", "1", "2", "3",
+                                                                                    "4", "5"]
