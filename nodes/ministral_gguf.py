@@ -38,6 +38,7 @@ from .gguf.linear import GGUFBlockLinear
 from .gguf.reader import GGUFTensor, first_bad_value, read_gguf
 from .gguf.tokenizer import gguf_tokenizer, is_tokenizer_field
 from .ministral_file import HEAD_DIM, MAX_LAYERS, _meta_model
+from .model_files import builds_weights
 from .structure import Architecture, check_structure, count_blocks, natural
 
 ARCHITECTURES = ("mistral3", "llama")  # llama.cpp's converter today, and before it had Ministral 3
@@ -214,6 +215,7 @@ class MinistralGGUF:
             data = unpermute(data.reshape(rows, -1), heads[projection]).reshape(data.shape)
         return data
 
+    @builds_weights
     def build(self, dtype: torch.dtype):
         """The ``Ministral3ForCausalLM`` (CPU, eval mode) computing in ``dtype``: the decoder's quantized
         projections held as blocks, every other weight decoded into ``dtype``. Cancel before each tensor."""

@@ -95,3 +95,19 @@ def test_fp8_asked_of_a_gguf_pe_is_refused(listed):
     with pytest.raises(EnhancerError, match=r"weight_dtype fp8_e4m3fn stores the prompt enhancer's layers in fp8, "
                        r"but .*ernie-image-prompt-enhancer-tiny-Q8_0\.gguf is a GGUF file, quantized already"):
         ErnieImagePELoader.execute(listed["gguf"], "cpu", "float32", "fp8_e4m3fn")
+
+
+def test_the_gguf_pe_enhances_after_moves_and_after_free():
+    """Loaded on first use, inside the enhance node (inference mode); moved as in ``test_inference_mode_moves``."""
+    from test_inference_mode_moves import CopyingMoves, free_models
+
+    from comfyui_ernie_image.nodes.pe.comfy_runtime import ComfyRuntime
+    from comfyui_ernie_image.nodes.pe.local.enhancer import LocalPromptEnhancer
+
+    pe = LocalPromptEnhancer.from_path(FIXTURE, runtime=ComfyRuntime())
+    texts = []
+    for _ in range(2):
+        with torch.inference_mode(), CopyingMoves():
+            texts.append(pe.enhance([PROMPTS[0]], GREEDY)[0].text)
+        free_models()
+    assert texts[0] and texts[1] == texts[0]

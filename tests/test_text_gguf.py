@@ -343,3 +343,20 @@ def test_a_tekken_gguf_tokenizes_as_transformers_reads_a_tekken_json(tmp_path):
         assert tokenizer(prompt)["input_ids"][1:] == expected(prompt, add_special_tokens=False)["input_ids"], prompt
     assert [piece for piece, _ in split.pre_tokenize_str("HelloWorld 12345")] == ["Hello", "World", "Ġ", "1", "2", "3",
                                                                                     "4", "5"]
+
+
+def test_the_gguf_text_encoder_encodes_after_moves_and_after_free(listed):
+    """Loaded inside inference mode as ComfyUI runs its loader, moved by model management inside and outside it
+    (``test_inference_mode_moves``: a move to the CPU that copies, as one to or from a GPU does)."""
+    from test_inference_mode_moves import CopyingMoves, free_models, loaded_in_inference_mode
+
+    from comfyui_ernie_image.nodes.text.nodes import ErnieImageTextEncoderLoader
+
+    (encoder,) = loaded_in_inference_mode(ErnieImageTextEncoderLoader, listed["gguf"])
+    results = []
+    for _ in range(2):
+        with torch.inference_mode(), CopyingMoves():
+            results.append(encoder.encode(PROMPTS[0]))
+        free_models()
+    assert results[0].abs().max() > 0
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
