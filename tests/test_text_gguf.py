@@ -23,7 +23,7 @@ from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.gguf.dequant import BLOCKS
 from comfyui_ernie_image.nodes.gguf.linear import GGUFBlockLinear
 from comfyui_ernie_image.nodes.text.encoder import ErnieTextEncoder
-from helpers.gguf_files import dequantized_twin, rewrite_gguf, set_tensor_offset, tensor_offset
+from helpers.gguf_files import converter_permute, dequantized_twin, rewrite_gguf, set_tensor_offset, tensor_offset
 from helpers.reference import saved_image
 from helpers.workflows import text_to_image
 from scripts.gguf_writer import random_blocks
@@ -144,6 +144,29 @@ def test_a_tokenizer_that_does_not_fit_is_refused_before_use(tmp_path, fields, w
     with pytest.raises(ErnieImageError, match=r"tokenizer\.gguf carries " + words + r".*not the tokenizer of a "
                        r"Ministral 3 model"):
         ErnieTextEncoder.from_gguf(path, torch.float32)
+
+
+def test_a_file_without_a_tokenizer_is_refused(tmp_path):
+    reader = gguf.GGUFReader(str(FIXTURE))
+    path = _variant(tmp_path, "no-tokenizer.gguf", drop=tuple(k for k in reader.fields if k.startswith("tokenizer.")))
+    with pytest.raises(ErnieImageError, match=r"no-tokenizer\.gguf carries no tokenizer \(no tokenizer\.ggml\.model "
+                       r"field; llama\.cpp's converter writes one\)"):
+        ErnieTextEncoder.from_gguf(path, torch.float32)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(32, 8), (2, 1), (4, 4)])
+def test_unpermute_undoes_the_converters_permute_at_ministral_3_3bs_heads(heads, kv_heads):
+    """Ministral 3 3B's 32 query and 8 key-value heads of 128 (the tiny model has 2 and 1): on values, and on a
+    quantized row's bytes (rows move whole)."""
+    from comfyui_ernie_image.nodes.ministral_gguf import unpermute
+
+    for rows, n_kv in ((heads * 128, heads), (kv_heads * 128, kv_heads)):
+        original = torch.randn(rows, 48)
+        permuted = converter_permute(original, heads, n_kv)
+        assert not torch.equal(permuted, original)
+        assert torch.equal(unpermute(permuted, n_kv), original)
+        blocks = torch.randint(0, 256, (rows, 34), dtype=torch.uint8)  # a Q8_0 row of 32 values
+        assert torch.equal(unpermute(converter_permute(blocks, heads, n_kv), n_kv), blocks)
 
 
 def test_a_vocabulary_of_another_size_is_refused(tmp_path):

@@ -46,6 +46,8 @@ def gguf_tokenizer(read_field, vocab_size: int, source: str, instead: str,
         return error(f"{source} carries {why}: it is not the tokenizer of a Ministral 3 model. {instead}")
 
     kind, pre = read_field("tokenizer.ggml.model", 1 << 10), read_field("tokenizer.ggml.pre", 1 << 10)
+    if kind is None:
+        raise refuse("no tokenizer (no tokenizer.ggml.model field; llama.cpp's converter writes one)")
     if kind != "gpt2":
         raise refuse(f"a tokenizer of kind {quoted(kind)} (tokenizer.ggml.model; Ministral 3's is byte-level BPE, "
                      "'gpt2')")
