@@ -17,8 +17,9 @@ encoder and PE from Mistral's own Ministral 3 3B (26 layers of 3072, 131,072 tok
 and a file whose name is one of Mistral's releases is refused. Values are checked as each tensor is read.
 
 The decoder layers' projections stay in their blocks where quantized (``gguf/linear.py``: decoded per call, where the
-layer runs); the embeddings (a lookup, and the PE's tied head), a separate head and the norms are decoded once into
-the compute dtype.
+layer runs), and so do the text encoder's token embeddings (only the rows looked up are decoded); the PE's embeddings
+(its tied head reads the whole table at every token), a separate head and the norms are decoded once into the compute
+dtype.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from .cancel import check_cancel
 from .errors import ErnieImageError, quoted
 from .fp8_linear import DECODER_LINEAR
 from .gguf.dequant import BLOCKS, SUPPORTED, UNSUPPORTED_ADVICE, dequantize
-from .gguf.linear import GGUFBlockLinear
+from .gguf.linear import GGUFBlockEmbedding, GGUFBlockLinear
 from .gguf.reader import GGUFTensor, first_bad_value, read_gguf
 from .gguf.tokenizer import gguf_tokenizer, is_tokenizer_field
 from .ministral_file import HEAD_DIM, MAX_LAYERS, _meta_model
@@ -49,6 +50,7 @@ LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn
 TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
 _LAYER = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
+EMBEDDINGS = "model.embed_tokens.weight"
 # Mistral's own Ministral 3 releases (``Ministral-3-3B-Instruct-2512``, …): the converter names a file after them.
 MISTRAL_RELEASE = re.compile(r"ministral[\s_-]*3\b.*\b(instruct|reasoning|base)\b", re.IGNORECASE)
 NAME_FIELDS = ("general.name", "general.basename", "general.finetune")
@@ -81,14 +83,20 @@ def gguf_name(name: str) -> str:
     return f"blk.{index}.{layer}.weight"
 
 
+def _held_as_blocks(name: str, kind: str, lm_head: bool) -> bool:
+    """Whether transformers' tensor ``name`` of GGUF type ``kind`` stays in its blocks: a quantized decoder projection,
+    or the token table of a model whose head does not read it (``lm_head=False``: the text encoder)."""
+    return kind in BLOCKS and (bool(DECODER_LINEAR.match(name)) or (name == EMBEDDINGS and not lm_head))
+
+
 def held_bytes(name: str, tensor: GGUFTensor, dtype: torch.dtype, lm_head: bool = True) -> int:
     """The bytes the file's tensor ``name`` (llama.cpp's name) takes once loaded computing in ``dtype`` (what the
-    memory plan counts): a quantized decoder projection its blocks, any other tensor decoded into ``dtype``; a head
-    the model does not use (``lm_head=False``, the text encoder) none."""
+    memory plan counts): what stays in its blocks (``_held_as_blocks``) those, any other tensor decoded into
+    ``dtype``; a head the model does not use (``lm_head=False``, the text encoder) none."""
     model = model_name(name)
     if model is None or (model == "lm_head.weight" and not lm_head):
         return 0
-    if tensor.kind in BLOCKS and DECODER_LINEAR.match(model):
+    if _held_as_blocks(model, tensor.kind, lm_head):
         return tensor.nbytes
     return tensor.numel * dtype.itemsize
 
@@ -106,7 +114,7 @@ class MinistralGGUF:
 
     def __init__(self, path: Path, what: str, instead: str, error: type[ErnieImageError] = ErnieImageError,
                  lm_head: bool = True):
-        self.path, self.what, self.instead, self.error = path, what, instead, error
+        self.path, self.what, self.instead, self.error, self.lm_head = path, what, instead, error, lm_head
         self.advice = f"Download it again, or {instead}"
         try:
             self.file = read_gguf(path, lambda key: key.startswith(("general.", *ARCHITECTURES)) or
@@ -218,23 +226,28 @@ class MinistralGGUF:
     @builds_weights
     def build(self, dtype: torch.dtype):
         """The ``Ministral3ForCausalLM`` (CPU, eval mode) computing in ``dtype``: the decoder's quantized
-        projections held as blocks, every other weight decoded into ``dtype``. Cancel before each tensor."""
+        projections (and, without a head, the token table) held as blocks, every other weight decoded into
+        ``dtype``. Cancel before each tensor. Without a head (the text encoder), ``lm_head`` is None."""
         meta = _meta_model(self.config, str(self.path), self.what, self.error)
         state = {}
         for name in sorted(self.tensors, key=natural):
             check_cancel()
             tensor = self.tensors[name]
             data = self._read(name, tensor)
-            if tensor.kind in BLOCKS and DECODER_LINEAR.match(name):
+            if _held_as_blocks(name, tensor.kind, self.lm_head):
                 parent, _, child = name.removesuffix(".weight").rpartition(".")
-                setattr(meta.get_submodule(parent), child, GGUFBlockLinear(data, tensor.kind, tensor.shape))
+                layer = (GGUFBlockEmbedding(data, tensor.kind, tensor.shape, dtype) if name == EMBEDDINGS else
+                         GGUFBlockLinear(data, tensor.kind, tensor.shape))
+                setattr(meta.get_submodule(parent), child, layer)
             elif tensor.kind in BLOCKS:
                 state[name] = dequantize(data, tensor.kind, tensor.shape, torch.float32).to(dtype)
             else:
                 state[name] = data.to(dtype)
-        tied = self.config.tie_word_embeddings
+        if not self.lm_head:
+            meta.lm_head = None  # not read, not run: the text encoder is the language model alone
+        tied = self.lm_head and self.config.tie_word_embeddings
         if tied:
-            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+            state["lm_head.weight"] = state[EMBEDDINGS]
         try:
             meta.load_state_dict(state, strict=False, assign=True)
         except RuntimeError as e:

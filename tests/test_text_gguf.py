@@ -21,7 +21,7 @@ import torch
 
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.gguf.dequant import BLOCKS
-from comfyui_ernie_image.nodes.gguf.linear import GGUFBlockLinear
+from comfyui_ernie_image.nodes.gguf.linear import GGUFBlockEmbedding, GGUFBlockLinear
 from comfyui_ernie_image.nodes.text.encoder import ErnieTextEncoder
 from helpers.gguf_files import converter_permute, dequantized_twin, rewrite_gguf, set_tensor_offset, tensor_offset
 from helpers.reference import saved_image
@@ -335,6 +335,7 @@ def test_held_bytes_are_what_the_loaded_encoder_holds(dtype):
     planned = sum(held_bytes(n, t, dtype, lm_head=False) for n, t in read_gguf(FIXTURE).tensors.items())
     model = ErnieTextEncoder.from_gguf(FIXTURE, dtype).language_model
     assert planned == sum(p.nbytes for p in model.parameters())
+    assert isinstance(model.embed_tokens, GGUFBlockEmbedding)  # the table's Q8_0 rows, decoded as looked up
 
 
 # Mistral's tekken split, as llama.cpp 0c1e57098 quotes it from tokenizer.json (src/llama-vocab.cpp, TEKKEN).
@@ -383,3 +384,15 @@ def test_the_gguf_text_encoder_encodes_after_moves_and_after_free(listed):
         free_models()
     assert results[0].abs().max() > 0
     torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+
+
+def test_the_gguf_text_encoder_streams_a_layer_at_a_time_to_the_same_embeddings():
+    """Streamed (``text/streaming.py``: the blocks pass through the device a layer at a time, the table's rows are
+    looked up where it lives), the embeddings are the whole model's."""
+    from comfyui_ernie_image.nodes.text.streaming import LayerStream
+
+    encoder = ErnieTextEncoder.from_gguf(FIXTURE, torch.float32)
+    stream = LayerStream(encoder.language_model, CPU)
+    for prompt in PROMPTS[:2]:
+        torch.testing.assert_close(encoder.encode(prompt, CPU, stream), encoder.encode(prompt, CPU), rtol=0, atol=0)
+    assert stream.working_bytes(10) > 0 and stream.copied_bytes > 0
