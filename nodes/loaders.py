@@ -30,8 +30,14 @@ from .quant.capability import METHODS, cuda_arch, halving_method, probe
 from .quant.choice import AUTO, choose, fp8_bytes
 from .quant.quantize import load_quantized_dit
 from .sockets import ErniePEType, ErnieTextEncoderType
-from .text.managed import ManagedTextEncoder
-from .text.nodes import planned_text_encoder, text_encoder_device_input, text_encoder_weight_dtype_input
+from .text.nodes import (
+    FROM_SNAPSHOT,
+    TEXT_ENCODER_FILE_MODELS,
+    load_text_encoder,
+    text_encoder_device_input,
+    text_encoder_file_input,
+    text_encoder_weight_dtype_input,
+)
 
 
 def _planned(quantization: str, weight_dtype: str) -> tuple[str, str]:
@@ -128,6 +134,7 @@ class ErnieImageLoader(io.ComfyNode):
                 text_encoder_device_input("text_encoder_device"),
                 text_encoder_weight_dtype_input("text_encoder_weight_dtype"),
                 pe_weight_dtype_input("pe_weight_dtype"),
+                text_encoder_file_input("text_encoder"),
             ],
             outputs=[
                 io.Model.Output(),
@@ -145,14 +152,15 @@ class ErnieImageLoader(io.ComfyNode):
     @classmethod
     def execute(cls, model_name: str, weight_dtype: str = "default", quantization: str = AUTO,
                 text_encoder_device: str = AUTO, text_encoder_weight_dtype: str = AUTO,
-                pe_weight_dtype: str = AUTO) -> io.NodeOutput:
-        snapshot = SNAPSHOT_MODELS.resolve(model_name).path
+                pe_weight_dtype: str = AUTO, text_encoder: str = FROM_SNAPSHOT) -> io.NodeOutput:
+        resolved = SNAPSHOT_MODELS.resolve(model_name)
+        snapshot = resolved.path
         session.plan_for_node(cls)
         model = _load_model(snapshot, weight_dtype, quantization, snapshot_shift(snapshot))
+        encoder = resolved if text_encoder == FROM_SNAPSHOT else TEXT_ENCODER_FILE_MODELS.resolve(text_encoder)
         return io.NodeOutput(
             model,
-            ManagedTextEncoder.from_snapshot(snapshot, **planned_text_encoder(text_encoder_device,
-                                                                              text_encoder_weight_dtype)),
+            load_text_encoder(encoder, text_encoder_device, text_encoder_weight_dtype),
             load_snapshot_vae(snapshot),
             snapshot_pe(snapshot, pe_weight_dtype),
         )

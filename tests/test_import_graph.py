@@ -18,8 +18,8 @@ HOST = "host"  # every use of ComfyUI's internals (test_host_layer.py)
 # grammar, node input checks, the pack's socket types, the GGUF file format (``gguf/``), Cancel for the engine's loops,
 # the out-of-memory advice (the host words it for every feature's models), the memory plan's records, planner and
 # session (``plan/``). They import only each other.
-SHARED = {"errors", "model_files", "paths", "choices", "structure", "quant_layout", "ministral_file", "fp8_linear",
-          "inputs", "sockets", "gguf", "memory_advice", "cancel", "plan"}
+SHARED = {"errors", "model_files", "paths", "choices", "structure", "quant_layout", "ministral_file", "ministral_gguf",
+          "fp8_linear", "inputs", "sockets", "gguf", "memory_advice", "cancel", "plan"}
 TOP = {"loaders", "extension", "planning"}  # and the package itself: they may import anything of the pack
 
 

@@ -233,7 +233,7 @@ def test_layout_errors_say_what_is_wrong_and_what_to_do(tiny_models, tmp_path):
     with pytest.raises(EnhancerError, match="is not a prompt-enhancer folder: expected an ERNIE-Image snapshot"):
         LocalPromptEnhancer.from_path(tmp_path)
     (tmp_path / "pe.ckpt").write_bytes(b"x")
-    with pytest.raises(EnhancerError, match=r"pe.ckpt: only .safetensors prompt-enhancer files can be loaded"):
+    with pytest.raises(EnhancerError, match=r"pe.ckpt: only .safetensors and .gguf prompt-enhancer files"):
         LocalPromptEnhancer.from_path(tmp_path / "pe.ckpt")
 
     no_tokenizer = tmp_path / "no-tokenizer.safetensors"

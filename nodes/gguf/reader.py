@@ -18,6 +18,7 @@ files; read so, 11.7: bench/RESULTS.md, sessions 18 and 21). Values are checked 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -73,15 +74,22 @@ class GGUFTensor:
 @dataclass(frozen=True)
 class GGUFFile:
     """A GGUF file's tensors by name and what it says it is (``general.architecture``; community files of other
-    models' converters say ``flux`` or ``wan``, so it decides nothing)."""
+    models' converters say ``flux`` or ``wan``, so it decides nothing); ``walked``: where the fields its reader asked
+    for lie (``field``)."""
 
     path: Path
     architecture: str | None
     tensors: dict[str, GGUFTensor]
+    walked: HeaderInfo | None = None
 
     def header(self) -> Header:
         """Names, shapes and types, for ``structure``'s checks."""
         return {name: TensorInfo(t.shape, t.kind) for name, t in self.tensors.items()}
+
+    def field(self, key: str, max_bytes: int = MAX_FIELD_BYTES):
+        """The value of the field ``key`` (one ``read_gguf`` was asked for; None where the file has none), once it
+        is known to take at most ``max_bytes``; an error naming the file where it cannot be read."""
+        return _field(self.walked, key, max_bytes)
 
 
 def _gguf_version() -> str:
@@ -116,9 +124,13 @@ def _wanted(key: str) -> bool:
     return key == ARCHITECTURE or key.startswith(ORIG_SHAPE)
 
 
-def _field(header: HeaderInfo, key: str):
+def _none(key: str) -> bool:
+    return False
+
+
+def _field(header: HeaderInfo, key: str, max_bytes: int = MAX_FIELD_BYTES):
     try:
-        return header.field(key, MAX_FIELD_BYTES)
+        return header.field(key, max_bytes)
     except HeaderError as error:
         raise _damaged(header.path, str(error)) from None
     except OSError as error:
@@ -145,9 +157,10 @@ def _orig_shape(header: HeaderInfo, name: str, count: int) -> tuple[int, ...] | 
     return shape
 
 
-def read_gguf(path: Path) -> GGUFFile:
+def read_gguf(path: Path, fields: Callable[[str], bool] = _none) -> GGUFFile:
     """Every tensor of the GGUF file ``path`` (names as the file has them), or an error naming the file. No data
-    is read here, only the header (bounded), and of its fields only the architecture and the original shapes."""
+    is read here, only the header (bounded), and of its fields only the architecture and the original shapes; the
+    fields whose keys ``fields`` accepts are located for ``GGUFFile.field``."""
     try:
         import gguf
     except ImportError as error:
@@ -156,7 +169,7 @@ def read_gguf(path: Path) -> GGUFFile:
         raise ErnieImageError(f"Model file not found: {path}. Put it there or pick another file.")
     sizes = {int(kind): size for kind, size in gguf.GGML_QUANT_SIZES.items()}
     try:
-        header = walk_header(path, sizes, _wanted)
+        header = walk_header(path, sizes, lambda key: _wanted(key) or fields(key))
     except BigEndianError:
         raise _big_endian(path) from None
     except CraftedHeaderError as error:
@@ -179,7 +192,7 @@ def read_gguf(path: Path) -> GGUFFile:
         tensors[entry.name] = GGUFTensor(gguf.GGMLQuantizationType(entry.type_id).name, shape, path,
                                          header.data_start + entry.offset, count // values * size)
     architecture = _field(header, ARCHITECTURE)
-    return GGUFFile(path, quoted(architecture) if isinstance(architecture, str) else None, tensors)
+    return GGUFFile(path, quoted(architecture) if isinstance(architecture, str) else None, tensors, header)
 
 
 def first_bad_value(name: str, kind: str, data: torch.Tensor) -> str | None:

@@ -10,7 +10,15 @@ from pathlib import Path
 import folder_paths
 
 from ..choices import SNAPSHOTS, ModelList, Source
-from ..paths import inside, is_prompt_enhancer_file, model_folders, read_small_json, snapshot_names, snapshot_path
+from ..paths import (
+    gguf_names,
+    inside,
+    is_prompt_enhancer_file,
+    model_folders,
+    read_small_json,
+    snapshot_names,
+    snapshot_path,
+)
 from .protocol import EnhancerError
 
 
@@ -24,8 +32,8 @@ def _is_pe_folder(folder: Path) -> bool:
 
 
 def _text_encoder_pe_names() -> list[str]:
-    files = {n for n in folder_paths.get_filename_list("text_encoders")
-             if n.endswith(".safetensors") and is_prompt_enhancer_file(n)}
+    files = {n for n in [*folder_paths.get_filename_list("text_encoders"), *gguf_names("text_encoders")]
+             if n.endswith((".safetensors", ".gguf")) and is_prompt_enhancer_file(n)}
     return sorted(files.union(model_folders("text_encoders", _is_pe_folder)))
 
 

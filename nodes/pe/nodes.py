@@ -15,6 +15,7 @@ from comfy_api.v0_0_2 import io, ui
 
 from ..host.memory import device_options
 from ..inputs import lm_weight_dtype_input, wants_fp8
+from ..model_files import is_gguf
 from ..plan import session
 from ..plan.records import CPU, PROMPT_ENHANCER
 from ..plan.session import AUTO
@@ -51,7 +52,8 @@ class ErnieImagePELoader(io.ComfyNode):
             "like any ComfyUI model (offloaded when memory is needed, unloaded by Free memory).",
             inputs=[
                 PE_MODELS.input("model_name", tooltip="diffusers/<snapshot> (its pe/ and pe_tokenizer/), or a PE "
-                                "folder or ernie-image-prompt-enhancer.safetensors under models/text_encoders."),
+                                "folder, ernie-image-prompt-enhancer.safetensors or a GGUF PE (llama.cpp's "
+                                "converter) under models/text_encoders."),
                 io.Combo.Input("device", options=[AUTO, *device_options()], default=AUTO,
                                tooltip="auto: where the memory plan puts it for this card and the whole graph (the "
                                "GPU, loaded for its stage or kept there, or the CPU; the log states the plan). "
@@ -75,8 +77,14 @@ class ErnieImagePELoader(io.ComfyNode):
         session.plan_for_node(cls)
         if device == AUTO:
             device = "cpu" if session.place(PROMPT_ENHANCER) == CPU else "default"
-        return io.NodeOutput(LocalPromptEnhancer.from_path(pe_path(model_name), device=device, dtype=dtype,
-                                                          runtime=ComfyRuntime(), fp8=planned_fp8(weight_dtype)))
+        path = pe_path(model_name)
+        if is_gguf(path) and wants_fp8(weight_dtype):
+            raise EnhancerError(f"weight_dtype {weight_dtype} stores the prompt enhancer's layers in fp8, but {path} "
+                                "is a GGUF file, quantized already (its layers stay in their GGUF types and are "
+                                "decoded as they run): set weight_dtype to auto or default, or pick the safetensors "
+                                "file.")
+        return io.NodeOutput(LocalPromptEnhancer.from_path(path, device=device, dtype=dtype, runtime=ComfyRuntime(),
+                                                          fp8=planned_fp8(weight_dtype)))
 
 
 class ErnieImagePERemote(io.ComfyNode):

@@ -4,7 +4,7 @@ As in ``ErnieImagePipeline.encode_prompt``: the tokenizer adds its special token
 padding; an empty prompt becomes the BOS token; the embedding is ``hidden_states[-2]`` of shape ``[T, D]``.
 The vision tower of the checkpoint is never used, so only the language model is read (``ministral_file``, which
 checks the files before anything is built), from a snapshot or from ComfyUI's repack (one ``.safetensors`` with the
-tokenizer inside).
+tokenizer inside), or from a GGUF file of llama.cpp's converter (``ministral_gguf``, the tokenizer in its metadata).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from ..errors import ErnieImageError
 from ..ministral_file import load_ministral_folder, read_config, read_ministral_file
+from ..ministral_gguf import read_ministral_gguf
 from ..model_files import read_json
 from .streaming import LayerStream
 
@@ -71,6 +72,16 @@ class ErnieTextEncoder:
         # a tokenizer converted from tekken.json does not unless told to.
         tokenizer.add_bos_token = True
         tokenizer.update_post_processor()
+        return cls(model.model, tokenizer, str(path))
+
+    @classmethod
+    def from_gguf(cls, path: Path, dtype: torch.dtype) -> ErnieTextEncoder:
+        """Load a GGUF text encoder as llama.cpp's converter writes it (``ministral_gguf``: the tokenizer from its
+        metadata; quantized decoder layers kept as blocks and decoded as they run)."""
+        model, tokenizer = read_ministral_gguf(
+            path, dtype, what="text encoder", lm_head=False, add_bos=True,  # as the snapshot's tokenizer does
+            instead="use ComfyUI's ministral-3-3b.safetensors or an ERNIE-Image snapshot folder instead",
+        )
         return cls(model.model, tokenizer, str(path))
 
     @property

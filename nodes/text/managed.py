@@ -66,6 +66,14 @@ class ManagedTextEncoder(CacheSized):
         dtype = text_model_dtype(text_devices(device)[0])
         return cls(ErnieTextEncoder.from_single_file(path, dtype, fp8), device, streamed, follows_plan, on_host)
 
+    @classmethod
+    def from_gguf(cls, path: Path, device: str = "default", streamed: bool = False, follows_plan: bool = False,
+                  on_host: bool = False) -> ManagedTextEncoder:
+        """A llama.cpp GGUF text encoder: its quantized layers stay in their blocks (no fp8: the file keeps its
+        own types)."""
+        dtype = text_model_dtype(text_devices(device)[0])
+        return cls(ErnieTextEncoder.from_gguf(path, dtype), device, streamed, follows_plan, on_host)
+
     def set_streamed(self, streamed: bool) -> None:
         """Stream the encoder through its device from the next prompt on, or load it whole again (the plan may
         change between prompts)."""

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from ..choices import SNAPSHOTS, ModelList, files
+from ..choices import SNAPSHOTS, Model, ModelList, files
+from ..errors import ErnieImageError
 from ..host.memory import device_options
 from ..inputs import lm_weight_dtype_input, wants_fp8
+from ..model_files import is_gguf
 from ..paths import is_prompt_enhancer_file, model_file_path
 from ..plan import session
 from ..plan.records import CPU, STREAMED, TEXT_ENCODER
@@ -20,12 +22,13 @@ def _is_single_file(name: str) -> bool:
     return not (model_file_path("text_encoders", name).parent / "config.json").is_file()
 
 
-# Snapshot folders, then the single-file text encoders of models/text_encoders (PEs are listed elsewhere). Before the
-# one grammar (``choices``), a snapshot was listed bare.
-TEXT_ENCODER_MODELS = ModelList(
-    (SNAPSHOTS, files("text_encoders", lambda n: not is_prompt_enhancer_file(n) and _is_single_file(n))),
-    legacy="diffusers",
-)
+# Snapshot folders, then the single-file text encoders of models/text_encoders, safetensors and GGUF (PEs are listed
+# elsewhere). Before the one grammar (``choices``), a snapshot was listed bare.
+TEXT_ENCODER_FILES = files("text_encoders", lambda n: not is_prompt_enhancer_file(n) and _is_single_file(n), gguf=True)
+TEXT_ENCODER_MODELS = ModelList((SNAPSHOTS, TEXT_ENCODER_FILES), legacy="diffusers")
+# The all-in-one loader's text encoder: its snapshot's, or a file (a GGUF for small cards).
+FROM_SNAPSHOT = "snapshot"
+TEXT_ENCODER_FILE_MODELS = ModelList((TEXT_ENCODER_FILES,))
 
 
 def text_encoder_device_input(name: str) -> io.Combo.Input:
@@ -50,6 +53,31 @@ def planned_text_encoder(device: str, weight_dtype: str) -> dict:
     return dict(fp8=fp8, streamed=place == STREAMED, follows_plan=place is not None)
 
 
+def load_text_encoder(model: Model, device: str, weight_dtype: str) -> ManagedTextEncoder:
+    """The text encoder ``model`` names (a snapshot, a safetensors or a GGUF file), placed as ``device`` and
+    ``weight_dtype`` say (``planned_text_encoder``). A GGUF file keeps its own types: fp8 asked for in words is
+    refused, fp8 the plan picks (``auto``) is not applied."""
+    chosen = planned_text_encoder(device, weight_dtype)
+    if model.folder == SNAPSHOTS.folder:
+        return ManagedTextEncoder.from_snapshot(model.path, **chosen)
+    if not is_gguf(model.path.name):
+        return ManagedTextEncoder.from_single_file(model.path, **chosen)
+    if wants_fp8(weight_dtype):
+        raise ErnieImageError(f"weight_dtype {weight_dtype} stores the text encoder's layers in fp8, but "
+                              f"{model.path} is a GGUF file, quantized already (its layers stay in their GGUF types "
+                              "and are decoded as they run): set weight_dtype to auto or default, or pick the "
+                              "safetensors file.")
+    return ManagedTextEncoder.from_gguf(model.path, **{k: v for k, v in chosen.items() if k != "fp8"})
+
+
+def text_encoder_file_input(name: str) -> io.Combo.Input:
+    """The all-in-one loader's text encoder: the snapshot's, or a file of models/text_encoders; optional, last."""
+    return io.Combo.Input(name, options=[FROM_SNAPSHOT, *TEXT_ENCODER_FILE_MODELS.options()], default=FROM_SNAPSHOT,
+                          optional=True, tooltip="snapshot: the snapshot's text_encoder/. Or a file of "
+                          "models/text_encoders: ComfyUI's ministral-3-3b.safetensors, or a GGUF of it (llama.cpp's "
+                          "converter; its layers stay 4 to 8 bits and are decoded as they run: for small cards).")
+
+
 def text_encoder_weight_dtype_input(name: str) -> io.Combo.Input:
     """The text encoder's weight storage (its loader's and the all-in-one loader's): optional, last."""
     return lm_weight_dtype_input(name, "text encoder")
@@ -62,8 +90,9 @@ class ErnieImageTextEncoderLoader(io.ComfyNode):
             node_id="ErnieImageTextEncoderLoader",
             display_name="ERNIE-Image Text Encoder Loader",
             category="ERNIE-Image/loaders",
-            description="Loads ERNIE-Image's Mistral3 text encoder and tokenizer: from a snapshot folder, or from "
-            "ComfyUI's repack ministral-3-3b.safetensors (tokenizer inside) in models/text_encoders.",
+            description="Loads ERNIE-Image's Mistral3 text encoder and tokenizer: from a snapshot folder, from "
+            "ComfyUI's repack ministral-3-3b.safetensors (tokenizer inside) in models/text_encoders, or from a GGUF "
+            "there (llama.cpp's converter; tokenizer inside, layers decoded as they run).",
             inputs=[
                 TEXT_ENCODER_MODELS.input("model_name", tooltip="diffusers/<snapshot folder>, or "
                                           "text_encoders/<file>."),
@@ -82,10 +111,7 @@ class ErnieImageTextEncoderLoader(io.ComfyNode):
     def execute(cls, model_name: str, device: str = AUTO, weight_dtype: str = AUTO) -> io.NodeOutput:
         model = TEXT_ENCODER_MODELS.resolve(model_name)
         session.plan_for_node(cls)
-        chosen = planned_text_encoder(device, weight_dtype)
-        if model.folder == SNAPSHOTS.folder:
-            return io.NodeOutput(ManagedTextEncoder.from_snapshot(model.path, **chosen))
-        return io.NodeOutput(ManagedTextEncoder.from_single_file(model.path, **chosen))
+        return io.NodeOutput(load_text_encoder(model, device, weight_dtype))
 
 
 class ErnieImageTextEncode(io.ComfyNode):

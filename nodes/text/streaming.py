@@ -112,7 +112,7 @@ class LayerStream:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         per_token = (4 * config.hidden_size + 2 * (heads + kv_heads) * head_dim + 3 * config.intermediate_size
                      + 2 * kv_heads * head_dim * len(self.model.layers))
-        element = self.model.embed_tokens.weight.element_size()
+        element = self.model.norm.weight.element_size()  # the compute dtype's (a GGUF table is bytes)
         return WORKING_MARGIN * (tokens * per_token * element + heads * tokens * tokens * ATTENTION_SCORE_BYTES)
 
     @torch.no_grad()

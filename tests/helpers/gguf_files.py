@@ -1,6 +1,6 @@
 """Tiny GGUF files of the tiny DiT (written by ``scripts/gguf_writer.py`` as city96's converter writes them), the
-weights they hold as ``gguf.quants.dequantize`` reads them back (the reference), and byte-level edits for hostile
-files.
+weights they hold as ``gguf.quants.dequantize`` reads them back (the reference), byte-level edits for hostile files,
+copies of a GGUF rewritten by the gguf package's writer, and the safetensors twin of a llama.cpp Ministral 3 file.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from scripts.gguf_writer import ORIG_SHAPE, SCALES
 
@@ -94,3 +95,80 @@ def one_blob_gguf(path: Path, shapes: dict[str, tuple[int, ...]]) -> Path:
     they declare far more bytes than it holds (issue 41's memory bomb)."""
     largest = max(math.prod(shape) for shape in shapes.values()) * 4
     return f32_gguf(path, {name: (shape, 0) for name, shape in shapes.items()}, largest)
+
+
+def rewrite_gguf(source: Path, path: Path, fields: dict | None = None, drop: tuple[str, ...] = (),
+                 tensors: dict | None = None, endianess=gguf.GGUFEndian.LITTLE) -> Path:
+    """A copy of the GGUF file ``source`` written anew by the gguf package's writer: its fields, with ``fields``
+    (key → value, of the field's own type where the file has it, else a string) put in and the ``drop`` keys left
+    out; its tensors as they are, but those ``tensors`` names (name → (numpy array, GGML type)) given anew."""
+    fields, tensors = fields or {}, tensors or {}
+    reader = gguf.GGUFReader(str(source))
+    architecture = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(path), architecture if "general.architecture" not in fields else None,
+                             endianess=endianess)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in drop or (key == "general.architecture" and key not in fields):
+            continue
+        value = fields.get(key, field.contents())
+        writer.add_key_value(key, value, field.types[0], field.types[-1] if len(field.types) > 1 else None)
+    for key, value in fields.items():
+        if key not in reader.fields:
+            writer.add_key_value(key, value, gguf.GGUFValueType.STRING)
+    for tensor in reader.tensors:
+        data, kind = tensors.get(tensor.name, (np.array(tensor.data), tensor.tensor_type))
+        writer.add_tensor(tensor.name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# llama.cpp's names of a Llama-like model's tensors and transformers' (gguf-py's tensor_mapping.py, read backwards).
+LLAMA_CPP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+                   "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                   "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                   "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def transformers_name(name: str) -> str:
+    """transformers' name of llama.cpp's tensor ``name`` (``blk.1.attn_q.weight`` → ``model.layers.1.self_attn
+    .q_proj.weight``)."""
+    parts = name.split(".")
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{LLAMA_CPP_NAMES[parts[2]]}.weight"
+    return f"{LLAMA_CPP_NAMES[parts[0]]}.weight"
+
+
+def converter_permute(weights: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
+    """llama.cpp's ``LlamaModel.permute`` (0c1e57098, ``conversion/llama.py``), as the converter applies it to the
+    query (``n_head, n_head``) and key (``n_head, n_head_kv``) projections."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weights.shape))
+
+
+def dequantized_twin(source: Path, tekken_from: Path, path: Path) -> Path:
+    """The GGUF file ``source`` as ComfyUI's single-file text encoder: every tensor decoded by
+    ``gguf.quants.dequantize``, the query and key rows put back where the converter's permute took them from, and
+    the tokenizer of ``tekken_from``."""
+    reader = gguf.GGUFReader(str(source))
+    heads = int(reader.fields["mistral3.attention.head_count"].contents())
+    kv_heads = int(reader.fields["mistral3.attention.head_count_kv"].contents())
+    state = {}
+    for tensor in reader.tensors:
+        values = gguf.quants.dequantize(np.array(tensor.data), tensor.tensor_type)
+        value = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(tuple(reversed(tensor.shape.tolist())))
+        if tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+            order = converter_permute(torch.arange(value.shape[0]), heads,
+                                      heads if "attn_q" in tensor.name else kv_heads)
+            original = torch.empty_like(value)
+            original[order] = value  # the converter wrote original[order]
+            value = original
+        state[transformers_name(tensor.name)] = value.contiguous()
+    state["tekken_model"] = load_file(tekken_from)["tekken_model"]
+    save_file(state, str(path))
+    return path

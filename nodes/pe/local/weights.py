@@ -5,14 +5,16 @@ Three layouts:
 - a Hugging Face snapshot of ERNIE-Image(-Turbo): ``pe/`` (``Ministral3ForCausalLM``) and ``pe_tokenizer/``;
 - a Hugging Face folder with both (``pe/`` and ``pe_tokenizer/`` copied together, as for ``vllm serve``);
 - ComfyUI's repack ``ernie-image-prompt-enhancer.safetensors`` (read by ``ministral_file``): the LM's keys plus
-  the Mistral tokenizer as a ``tekken_model`` entry.
+  the Mistral tokenizer as a ``tekken_model`` entry;
+- a GGUF file of llama.cpp's converter (read by ``ministral_gguf``): the tokenizer in its metadata, the quantized
+  decoder layers kept in their blocks and decoded as they run (no fp8: the file keeps its own types).
 
 The chat template rendered is always Baidu's (``template``): a folder's own only when it is that same file.
 
 ``fp8``: the decoder layers' linears held in fp8 (``fp8_linear``, read through ``ministral_file``); the LM head, the
 embeddings and the norms stay in the compute dtype. A file in core's fp8 layouts is fp8 either way.
 
-Only safetensors are read and no remote code runs. No ComfyUI.
+Only safetensors and GGUF files are read and no remote code runs. No ComfyUI.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from pathlib import Path
 import torch
 
 from ...ministral_file import load_ministral_folder, read_config, read_ministral_file
-from ...model_files import file_stamps, read_json
+from ...ministral_gguf import read_ministral_gguf
+from ...model_files import file_stamps, is_gguf, read_json
 from ..protocol import EnhancerError
 from .template import chat_template, tokenizer_folder
 
@@ -51,6 +54,8 @@ class PESource:
     def load(self, dtype: torch.dtype, fp8: bool = False):
         """The model (on the CPU, eval mode; ``fp8``: its decoder linears in fp8) and its tokenizer (with a chat
         template)."""
+        if is_gguf(self.weights):
+            return _load_gguf(self.weights, dtype, self.chat_template())
         if self.weights.is_file():
             return _load_single_file(self.weights, dtype, fp8, self.chat_template())
         return _load_folder(self.weights, dtype, fp8), _load_tokenizer(self.tokenizer, self.chat_template())
@@ -70,10 +75,11 @@ def snapshot_source(snapshot: Path) -> PESource | None:
 
 
 def path_source(path: Path) -> PESource:
-    """A PE given by path: a snapshot folder, a Hugging Face folder, or ComfyUI's single ``.safetensors`` file."""
+    """A PE given by path: a snapshot folder, a Hugging Face folder, ComfyUI's single ``.safetensors`` file, or a
+    GGUF file."""
     if path.is_file():
-        if path.suffix != ".safetensors":
-            raise EnhancerError(f"{path.name}: only .safetensors prompt-enhancer files can be loaded")
+        if path.suffix != ".safetensors" and not is_gguf(path):
+            raise EnhancerError(f"{path.name}: only .safetensors and .gguf prompt-enhancer files can be loaded")
         return PESource(path, None)
     source = snapshot_source(path)
     if source is not None:
@@ -118,3 +124,12 @@ def _load_single_file(path: Path, dtype: torch.dtype, fp8: bool, template: str):
         chat_template=template,  # the repack has none: Baidu's
         fp8=fp8,
     )
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, template: str):
+    model, tokenizer = read_ministral_gguf(
+        path, dtype, what="prompt enhancer", error=EnhancerError,
+        instead="use the ERNIE-Image snapshot's pe/ and pe_tokenizer/, or ernie-image-prompt-enhancer.safetensors",
+    )
+    tokenizer.chat_template = template  # Baidu's, as for every layout
+    return model, tokenizer
