@@ -51,7 +51,8 @@ def test_a_pe_device_this_machine_lacks_is_refused_by_name_in_the_server(comfy_s
              "show": _preview(["pe", 0])}
     message = _refusal(comfy_server, graph)
     assert re.fullmatch(rf"ERNIE-Image Prompt Enhancer Loader \(ErnieImagePELoader\): input 'device' = '{device}' is "
-                        rf"not one of its options \('auto', 'default', 'cpu'(, 'cuda:\d+')*\){re.escape(TAIL)}", message)
+                        rf"not one of its options \('auto', 'default', 'cpu'(, 'cuda:\d+')*\){re.escape(TAIL)}",
+                        message)
 
 
 @pytest.mark.parametrize(("link", "value", "words"), [
