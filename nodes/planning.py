@@ -28,6 +28,7 @@ from .host.plan import pinnable, placement_fixed, step_estimate, total_memory, u
 from .host.probe import costs_here
 from .host.sampling import Interrupted
 from .ministral_file import IGNORED, LM_HEADS
+from .ministral_gguf import held_bytes
 from .model_files import is_gguf, read_folder_headers, read_header
 from .paths import model_file_path
 from .pe.locate import pe_path
@@ -47,7 +48,7 @@ from .plan.records import CPU, PER_PROMPT, PROMPT_ENHANCER, RESIDENT, TEXT_ENCOD
 from .plan.session import AUTO
 from .quant.capability import FP8_MIN_ARCH, probe
 from .quant.saved import weight_files
-from .text.nodes import TEXT_ENCODER_MODELS
+from .text.nodes import FROM_SNAPSHOT, TEXT_ENCODER_FILE_MODELS, TEXT_ENCODER_MODELS
 
 # A compiled DiT block against an eager one: a Q4_K_M DiT's warm Turbo prompt took 1.2 s compiled, 2.2 s eager on
 # the H200 (README). The probe times eager layers (compiling takes longer than its budget); blocks core streams stay
@@ -106,7 +107,11 @@ def wanted(prompt: Mapping) -> Wanted:
         if kind == "ErnieImageLoader" and (model := _resolved(SNAPSHOT_MODELS, name)):
             snapshot = model[1]
             found["dit"] = (snapshot, _value(inputs, "quantization", AUTO), _value(inputs, "weight_dtype", "default"))
-            found["text"] = (snapshot, True, _value(inputs, "text_encoder_device", AUTO),
+            text = (snapshot, True)
+            chosen = _value(inputs, "text_encoder", FROM_SNAPSHOT)
+            if chosen != FROM_SNAPSHOT and (file := _resolved(TEXT_ENCODER_FILE_MODELS, chosen)):
+                text = (file[1], False)  # a file of models/text_encoders instead of the snapshot's
+            found["text"] = (*text, _value(inputs, "text_encoder_device", AUTO),
                              _value(inputs, "text_encoder_weight_dtype", AUTO))
             found.setdefault("vae", snapshot / "vae" / "diffusion_pytorch_model.safetensors")
             if _linked(prompt, node, 3) and (snapshot / "pe").is_dir():
@@ -181,6 +186,7 @@ def _tensors(path: Path, keep=lambda name: True) -> list[Tensor]:
 
 
 def _language_model(name: str, lm_head: bool) -> bool:
+    """A tensor of the language model (not a vision tower's); the output head only for the PE."""
     return not name.startswith(IGNORED) and (lm_head or name not in LM_HEADS)
 
 
@@ -223,8 +229,13 @@ def _language_model_record(role: str, want: Wanted, device: torch.device, floor:
     if places == ():
         return None  # on another GPU: not this card's
     streams = role == TEXT_ENCODER and os.environ.get(STREAM_TEXT_ENCODER_ENV, "off").strip().lower() == "on"
+    if is_gguf(where):  # what each tensor takes once loaded: blocks as stored, a table the PE reads whole decoded
+        held = ((name, t, held_bytes(name, t, torch.bfloat16, lm_head)) for name, t in read_gguf(where).tensors.items())
+        tensors = [Tensor(name, t.shape, size, t.kind) for name, t, size in held if size]
+    else:
+        tensors = _tensors(where, lambda n: _language_model(n, lm_head))
     return language_model_record(
-        role, str(path), _tensors(where, lambda n: _language_model(n, lm_head)),
+        role, str(path), tensors,
         runs=1 if role == TEXT_ENCODER else want.pe_tokens, working=floor,
         fixed_form=None if weight_dtype == AUTO else weight_dtype, places=places, streams=streams)
 

@@ -256,3 +256,23 @@ def test_a_fault_in_the_plan_leaves_placement_to_core_and_says_so_injected_fault
     with caplog.at_level(logging.WARNING):
         assert planning.make_plan(_gguf_graph()) is None
     assert any("the memory plan failed" in r.getMessage() for r in caplog.records)
+
+
+def test_a_gguf_text_encoder_is_planned_as_its_file_on_a_faked_10gb_card(card, true_size_files, placed):
+    """A llama.cpp GGUF of the text encoder (the tiny fixture) in the graph: the plan's text encoder form is the
+    file's type, counted as it is held once loaded (``ministral_gguf.held_bytes``)."""
+    import shutil
+
+    from comfyui_ernie_image.nodes import planning
+    from comfyui_ernie_image.nodes.plan.records import RESIDENT, TEXT_ENCODER
+
+    fixture = REPO / "tests" / "fixtures" / "gguf" / "ernie-image-text-encoder-tiny-Q8_0.gguf"
+    shutil.copyfile(fixture, placed("text_encoders", "plan-10gb/te-Q8_0.gguf"))
+    prompt = _gguf_graph()
+    for node in prompt.values():
+        if node["class_type"] == "ErnieImageTextEncoderLoader":
+            node["inputs"]["model_name"] = "text_encoders/plan-10gb/te-Q8_0.gguf"
+    card(10)
+    te = planning.make_plan(prompt).of(TEXT_ENCODER)
+    assert (te.form.name, te.form.setting, te.place) == ("GGUF Q8_0", "default", RESIDENT)
+    assert 0 < te.form.weight_bytes < fixture.stat().st_size
