@@ -209,8 +209,12 @@ def test_a_core_fp8_pe_file_loads_as_fp8(tiny_models, bf16_file_pe, tmp_path, la
 
 
 def test_the_pe_loaders_take_weight_dtype_last_and_optional(comfy_paths):
-    for node, name in ((ErnieImagePELoader, "weight_dtype"), (ErnieImageLoader, "pe_weight_dtype")):
-        spec = node.define_schema().inputs[-1]
+    # Last when added; the all-in-one loader's text_encoder file (issue 44) came after it, last in turn.
+    for node, name, after in ((ErnieImagePELoader, "weight_dtype", []), (ErnieImageLoader, "pe_weight_dtype",
+                                                                         ["text_encoder"])):
+        inputs = node.define_schema().inputs
+        spec = inputs[-1 - len(after)]
+        assert [i.id for i in inputs[len(inputs) - len(after):]] == after
         assert (spec.id, spec.optional, spec.default, spec.options) == (name, True, "auto",  # the memory plan's
                                                                         ["auto", "default", "fp8_e4m3fn"])
     (asked,) = ErnieImagePELoader.execute(FILE_PE, "cpu", "auto", "fp8_e4m3fn").result
