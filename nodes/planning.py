@@ -77,11 +77,15 @@ class Wanted:
 
 
 def _value(inputs: Mapping, name: str, default):
+    """A literal widget value of the prompt; the loader's default for a link or anything but a plain scalar (a shared
+    workflow's values are checked only when their node runs: here they are only read)."""
     value = inputs.get(name, default)
-    return default if isinstance(value, list) else value  # a link: the loader's default
+    return value if isinstance(value, str | int | float | bool) else default
 
 
 def _resolved(model_list, name) -> tuple[str, Path] | None:
+    if not isinstance(name, str):
+        return None
     try:
         model = model_list.resolve(name)
     except (ErnieImageError, OSError, ValueError):

@@ -276,3 +276,27 @@ def test_a_gguf_text_encoder_is_planned_as_its_file_on_a_faked_10gb_card(card, t
     te = planning.make_plan(prompt).of(TEXT_ENCODER)
     assert (te.form.name, te.form.setting, te.place) == ("GGUF Q8_0", "default", RESIDENT)
     assert 0 < te.form.weight_bytes < fixture.stat().st_size
+
+
+def test_a_strangers_graph_with_values_of_any_json_type_is_read_without_error(comfy_paths):
+    """The plan reads every node's widget values before those nodes run and check them: a shared workflow's dict,
+    list, number or null where a name or a choice goes is read as the loader's default, never raised on."""
+    from comfyui_ernie_image.nodes import planning
+
+    odd = [{"a": 1}, [1], 5, None, 1e300, True]
+    prompt = {str(i): {"class_type": kind, "inputs": {name: value for name in names}}
+              for i, (kind, names) in enumerate([
+                  ("ErnieImageLoader", ("model_name", "quantization", "text_encoder", "text_encoder_device")),
+                  ("ErnieImageDiTLoader", ("model_name", "quantization", "weight_dtype")),
+                  ("ErnieImageTextEncoderLoader", ("model_name", "device", "weight_dtype")),
+                  ("ErnieImagePELoader", ("model_name", "device")), ("VAELoader", ("vae_name",)),
+                  ("LoraLoaderModelOnly", ("lora_name", "strength_model")),
+                  ("EmptyFlux2LatentImage", ("width", "height", "batch_size")), ("KSampler", ("steps", "cfg")),
+                  ("ErnieImagePromptEnhance", ("max_new_tokens",))])
+              for value in odd[:1]}
+    for value in odd:
+        for node in prompt.values():
+            node["inputs"] = dict.fromkeys(node["inputs"], value)
+        want = planning.wanted({**prompt, "x": [1, 2], "y": {"class_type": 3, "inputs": [4]}})
+        assert want.dit is None and want.text is None and want.pe is None and want.loras == ()
+        hash(want)  # kept as a key of the plans made
