@@ -35,9 +35,6 @@ class Costs:
     seconds: Mapping[str, float] = field(default_factory=dict)
     cpu_seconds: Mapping[str, float] = field(default_factory=dict)
 
-    def run(self, compute: str) -> float | None:
-        return self.seconds.get(compute)
-
     def to_json(self) -> str:
         return json.dumps(asdict(self) | {"seconds": dict(self.seconds), "cpu_seconds": dict(self.cpu_seconds)},
                           indent=1, sort_keys=True)

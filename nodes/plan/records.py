@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DIT, TEXT_ENCODER, PROMPT_ENHANCER, VAE, LORA = "DiT", "text encoder", "Prompt Enhancer", "VAE", "LoRA"
+DIT, TEXT_ENCODER, PROMPT_ENHANCER, VAE = "DiT", "text encoder", "Prompt Enhancer", "VAE"
 ROLES = (PROMPT_ENHANCER, TEXT_ENCODER, DIT, VAE)  # in the order a prompt runs them (the LoRA rides on the DiT)
 
 # Where a model runs. RESIDENT: on the GPU across prompts. STREAMED: its weights stay in (pinned) host RAM and pass
@@ -19,7 +19,6 @@ ROLES = (PROMPT_ENHANCER, TEXT_ENCODER, DIT, VAE)  # in the order a prompt runs 
 # every run (core's partial loading). PER_PROMPT: loaded whole on the GPU for its stage, then moved out for the next
 # model. CPU: computed on the CPU.
 RESIDENT, STREAMED, PARTIAL, PER_PROMPT, CPU = "resident", "streamed", "partial", "per prompt", "CPU"
-PLACES = (RESIDENT, STREAMED, PARTIAL, PER_PROMPT, CPU)
 
 
 @dataclass(frozen=True)
@@ -53,9 +52,6 @@ class LoadRecord:
     first_read_bytes: int = 0  # what the first prompt reads from disk
     compute_scale: float = 1.0  # a run's compute against the measured one (the DiT: the image's pixels / 1024²)
     eager_factor: float = 1.0  # a streamed block's compute against a resident one's (compiled blocks stream eager)
-
-    def form(self, setting: str) -> Form | None:
-        return next((f for f in self.forms if f.setting == setting), None)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The loaders live in peer features that cannot import one another, yet each needs the plan of the whole graph: the
 pack's top module registers how a plan is made from a prompt (``register``), and each feature asks for it with the
-prompt it was given (``plan_for``) or reads the latest (``latest``). A plan is made again only when the graph's models
+prompt it was given (``plan_for``). A plan is made again only when the graph's models
 or settings change (the maker keys it), so asking at every node costs a dictionary lookup.
 """
 
@@ -36,11 +36,6 @@ def plan_for(prompt: Mapping | None) -> Plan | None:
 def plan_for_node(node: type) -> Plan | None:
     """``plan_for`` the prompt a V3 node was given as its hidden input (none where it is called outside a run)."""
     return plan_for(getattr(getattr(node, "hidden", None), "prompt", None))
-
-
-def latest() -> Plan | None:
-    """The plan of the graph last run."""
-    return _latest[0]
 
 
 _short: list[int] = [0]  # bytes the card gave less than planned, as out-of-memory errors measured it
