@@ -217,9 +217,20 @@ def _dit(want: Wanted, device: torch.device, floor: int) -> LoadRecord:
                       fp8_matmul=facts.torchao and facts.arch is not None and facts.arch >= FP8_MIN_ARCH,
                       runs=want.steps * want.forwards,
                       working=max(floor, step_estimate(ErnieImageConfig, want.latent, torch.bfloat16)),
-                      fixed=None if quantization == AUTO or gguf else f"{quantization}/{weight_dtype}",
+                      fixed=_dit_setting(quantization, weight_dtype, gguf),
                       compute_scale=pixels * (COMPILED if compiles else 1.0),
                       eager_factor=1 / COMPILED if compiles else 1.0)
+
+
+def _dit_setting(quantization: str, weight_dtype: str, gguf: bool) -> str | None:
+    """The DiT's explicit setting the plan keeps: ``quantization/weight_dtype`` where ``quantization`` is set; under
+    ``auto`` a ``weight_dtype`` other than ``default`` (fp8 storage asked for) with no load-time method; None: the
+    plan picks (a GGUF file has its one form)."""
+    if gguf:
+        return None
+    if quantization != AUTO:
+        return f"{quantization}/{weight_dtype}"
+    return None if weight_dtype == "default" else f"none/{weight_dtype}"
 
 
 def _language_model_record(role: str, want: Wanted, device: torch.device, floor: int) -> LoadRecord | None:

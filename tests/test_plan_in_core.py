@@ -300,3 +300,29 @@ def test_a_strangers_graph_with_values_of_any_json_type_is_read_without_error(co
         want = planning.wanted({**prompt, "x": [1, 2], "y": {"class_type": 3, "inputs": [4]}})
         assert want.dit is None and want.text is None and want.pe is None and want.loras == ()
         hash(want)  # kept as a key of the plans made
+
+
+def test_an_explicit_weight_dtype_under_quantization_auto_is_kept_on_a_faked_24gb_card(card, placed, comfy_paths,
+                                                                                          tiny_models):
+    """``quantization`` auto with ``weight_dtype`` fp8_e4m3fn set: the plan keeps fp8 storage (it would pick
+    another form on a 24 GB card), and says so."""
+    from comfyui_ernie_image.nodes import planning
+    from comfyui_ernie_image.nodes.plan.records import DIT
+    from helpers.plan_files import sparse_safetensors
+    from helpers.plan_records import dit_tensors
+
+    sparse_safetensors(placed("diffusion_models", "plan-24gb/ernie-image-turbo.safetensors"),
+                       {t.name: t.shape for t in dit_tensors()})
+    prompt = _gguf_graph()
+    for node in prompt.values():
+        if node["class_type"] == "ErnieImageDiTLoader":
+            node["inputs"].update(model_name="diffusion_models/plan-24gb/ernie-image-turbo.safetensors",
+                                  quantization="auto", weight_dtype="fp8_e4m3fn")
+        if node["class_type"] in ("ErnieImageTextEncoderLoader", "ErnieImageVAELoader"):
+            node["class_type"] = "Unused"  # the DiT alone
+    card(24)
+    assert planning.make_plan(prompt).of(DIT).form.setting == "none/fp8_e4m3fn"
+    for node in prompt.values():
+        if node["class_type"] == "ErnieImageDiTLoader":
+            node["inputs"]["weight_dtype"] = "default"
+    assert planning.make_plan(prompt).of(DIT).form.setting != "none/fp8_e4m3fn"
