@@ -171,22 +171,34 @@ def _stamp(path: Path) -> tuple:
     return (str(path), stat.st_size, stat.st_mtime_ns)
 
 
-_TENSORS: dict[tuple, list[Tensor]] = {}
+_READ: dict[tuple, object] = {}
+
+
+def _cached(path: Path, read):
+    """``read(path)``, kept while the file is unchanged: a header is read once, however many plans ask."""
+    key = (_stamp(path), read)
+    if key not in _READ:
+        if len(_READ) > 64:
+            _READ.clear()
+        _READ[key] = read(path)
+    return _READ[key]
+
+
+def _gguf_tensors(path: Path) -> dict:
+    return read_gguf(path).tensors
+
+
+def _described(path: Path) -> list[Tensor]:
+    if is_gguf(path):
+        return [gguf_tensor(n, t.shape, t.kind, t.nbytes) for n, t in _cached(path, _gguf_tensors).items()]
+    if path.is_dir():
+        return [safetensors_tensor(n, i.shape, i.dtype) for n, i in read_folder_headers(path)[0].items()]
+    return [safetensors_tensor(n, i.shape, i.dtype) for n, i in read_header(path).items()]
 
 
 def _tensors(path: Path, keep=lambda name: True) -> list[Tensor]:
     """The tensors of a safetensors file, a folder of shards or a GGUF file, from their headers (kept per file)."""
-    key = _stamp(path)
-    if key not in _TENSORS:
-        if is_gguf(path):
-            found = [gguf_tensor(n, t.shape, t.kind, t.nbytes) for n, t in read_gguf(path).tensors.items()]
-        elif path.is_dir():
-            found = [safetensors_tensor(n, i.shape, i.dtype) for n, i in read_folder_headers(path)[0].items()]
-        else:
-            found = [safetensors_tensor(n, i.shape, i.dtype) for n, i in read_header(path).items()]
-        _TENSORS.clear() if len(_TENSORS) > 64 else None
-        _TENSORS[key] = found
-    return [t for t in _TENSORS[key] if keep(t.name)]
+    return [t for t in _cached(path, _described) if keep(t.name)]
 
 
 def _language_model(name: str, lm_head: bool) -> bool:
@@ -245,7 +257,8 @@ def _language_model_record(role: str, want: Wanted, device: torch.device, floor:
         return None  # on another GPU: not this card's
     streams = role == TEXT_ENCODER and os.environ.get(STREAM_TEXT_ENCODER_ENV, "off").strip().lower() == "on"
     if is_gguf(where):  # what each tensor takes once loaded: blocks as stored, a table the PE reads whole decoded
-        held = ((name, t, held_bytes(name, t, torch.bfloat16, lm_head)) for name, t in read_gguf(where).tensors.items())
+        file = _cached(where, _gguf_tensors)
+        held = ((name, t, held_bytes(name, t, torch.bfloat16, lm_head)) for name, t in file.items())
         tensors = [Tensor(name, t.shape, size, t.kind) for name, t, size in held if size]
     else:
         tensors = _tensors(where, lambda n: _language_model(n, lm_head))

@@ -119,13 +119,18 @@ def _run_seconds(record: LoadRecord, form: Form, place: str, costs: Costs) -> fl
     return None if place == CPU else 0.0
 
 
+def _held(record: LoadRecord, form: Form, lora_bytes: int) -> int:
+    """What a model holds on the GPU in ``form`` once loaded: the DiT with its LoRA patches."""
+    return form.weight_bytes + (lora_bytes if record.role == DIT else 0)
+
+
 def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | None, card: Card,
               costs: Costs) -> tuple[float, float, int, int, tuple[Placement, ...]] | None:
     lora_bytes = lora.patch_bytes if lora is not None else 0
     resident = 0
     for record, form, place in choice:
         if place == RESIDENT:
-            resident += form.weight_bytes + (lora_bytes if record.role == DIT else 0)
+            resident += _held(record, form, lora_bytes)
     # A stage's own memory beside the residents: its working memory and what its model holds only then.
     stage = []
     for record, form, place in choice:
@@ -152,14 +157,14 @@ def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | No
         run = _run_seconds(record, form, place, costs)
         if run is None:
             return None
-        gpu = form.weight_bytes + (lora_bytes if record.role == DIT else 0) if place == RESIDENT else 0
+        gpu = _held(record, form, lora_bytes) if place == RESIDENT else 0
         moved = 0
         if place == STREAMED:
             moved = record.runs * form.weight_bytes
             seconds = record.runs * run + moved / stream_rate
         elif place == PARTIAL:
             gpu = kept
-            moved = record.runs * (form.weight_bytes + (lora_bytes if record.role == DIT else 0) - kept)
+            moved = record.runs * (_held(record, form, lora_bytes) - kept)
             # The blocks core streams run eager (compiled blocks need their weights on the GPU): at ``eager_factor``.
             share = 1 - kept / form.weight_bytes
             seconds = record.runs * run * (1 + share * (record.eager_factor - 1)) + moved / costs.pinned

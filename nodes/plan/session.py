@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
-from .planner import Plan
+from .planner import Placement, Plan
 
 AUTO = "auto"  # the loaders' value that follows the plan
 
@@ -66,14 +66,18 @@ def form_setting(role: str, value: str, fallback: str) -> str:
     the plan's form for ``role``, or ``fallback`` (the input's old default) where there is no plan."""
     if value != AUTO:
         return value
-    placement = _latest[0].of(role) if _latest[0] is not None else None
+    placement = _placement(role)
     return placement.form.setting if placement is not None else fallback
 
 
 def place(role: str) -> str | None:
     """Where the latest plan runs ``role`` (None: no plan, or the graph has no such model)."""
-    placement = _latest[0].of(role) if _latest[0] is not None else None
+    placement = _placement(role)
     return placement.place if placement is not None else None
+
+
+def _placement(role: str) -> Placement | None:
+    return _latest[0].of(role) if _latest[0] is not None else None
 
 
 _started: list[float | None] = [None]
