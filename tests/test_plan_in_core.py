@@ -326,3 +326,24 @@ def test_an_explicit_weight_dtype_under_quantization_auto_is_kept_on_a_faked_24g
         if node["class_type"] == "ErnieImageDiTLoader":
             node["inputs"]["weight_dtype"] = "default"
     assert planning.make_plan(prompt).of(DIT).form.setting != "none/fp8_e4m3fn"
+
+
+def test_a_probe_that_cannot_measure_leaves_placement_to_core_and_says_so_injected_fault(card, true_size_files,
+                                                                                          monkeypatch, caplog):
+    """The probe failing on a GPU (injected: none is known) must not stop the prompt: no plan, and one warning that
+    names what failed."""
+    from comfyui_ernie_image.nodes import planning
+
+    card(10)
+
+    def failing(device):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(planning, "costs_here", failing)
+    planning._said.clear()
+    with caplog.at_level(logging.WARNING):
+        assert planning.make_plan(_gguf_graph()) is None
+        assert planning.make_plan(_gguf_graph()) is None
+    said = [r.getMessage() for r in caplog.records if "could not be measured" in r.getMessage()]
+    assert said == ["ERNIE-Image: the costs of this GPU could not be measured (RuntimeError: CUDA error: an illegal "
+                    "memory access was encountered): models are placed as ComfyUI places them (no memory plan)"]
