@@ -347,3 +347,38 @@ def test_a_probe_that_cannot_measure_leaves_placement_to_core_and_says_so_inject
     said = [r.getMessage() for r in caplog.records if "could not be measured" in r.getMessage()]
     assert said == ["ERNIE-Image: the costs of this GPU could not be measured (RuntimeError: CUDA error: an illegal "
                     "memory access was encountered): models are placed as ComfyUI places them (no memory plan)"]
+
+
+def test_a_text_encoder_the_plan_put_on_the_cpu_comes_back_to_the_gpu_in_the_plans_new_form_on_faked_cards(
+        card, true_size_files, tiny_models, monkeypatch, caplog):
+    """A card with little free (5 GiB: a display and other programs hold the rest) puts the text encoder on the CPU
+    as stored; when the card frees up (12 GiB) the next prompt's plan holds it on the GPU in fp8. ComfyUI does not
+    run the loader again (its inputs are the same), so the encode node moves it and reads it again in the new form.
+    Before, an encoder the plan had put on the CPU stayed there until the loader ran again. (Tiny weights under a
+    plan made for the true-size files: the cards' sizes are faked.)"""
+    from comfyui_ernie_image.nodes import planning
+    from comfyui_ernie_image.nodes.plan import session
+    from comfyui_ernie_image.nodes.plan.records import CPU, RESIDENT, TEXT_ENCODER
+    from comfyui_ernie_image.nodes.text.encoder import ErnieTextEncoder
+    from comfyui_ernie_image.nodes.text.nodes import TEXT_ENCODER_MODELS, ErnieImageTextEncode, load_text_encoder
+
+    session.register(planning.make_plan)
+    card(5)
+    monkeypatch.delenv(planning.STREAM_TEXT_ENCODER_ENV)  # the places core has always had: resident, per prompt, CPU
+    graph = _gguf_graph()
+    assert (session.plan_for(graph).of(TEXT_ENCODER).place, session.place(TEXT_ENCODER)) == (CPU, CPU)
+    tiny = TEXT_ENCODER_MODELS.resolve("text_encoders/" + tiny_models["text_encoder_file"].name)
+    te = load_text_encoder(tiny, "auto", "auto")
+    assert te.follows_plan and te.on_host and not te.fp8
+
+    card(12)
+    monkeypatch.delenv(planning.STREAM_TEXT_ENCODER_ENV)
+    placement = session.plan_for(graph).of(TEXT_ENCODER)
+    assert (placement.place, placement.form.setting) == (RESIDENT, "fp8_e4m3fn")
+    with caplog.at_level(logging.INFO), torch.inference_mode():
+        encoded = ErnieImageTextEncode.execute(te, "a red cat").result[0][0][0]
+    assert te.fp8 and not te.on_host and not te.streamed
+    assert te.patcher.load_device == te.devices[0]  # the GPU's device (the CPU here: its size alone is faked)
+    assert any("reading it again" in r.getMessage() for r in caplog.records)
+    fp8 = ErnieTextEncoder.from_single_file(tiny.path, te.encoder.language_model.dtype, fp8=True)
+    assert torch.equal(encoded[0], fp8.encode("a red cat", torch.device("cpu")).to(encoded.dtype))

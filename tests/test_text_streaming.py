@@ -96,9 +96,12 @@ def test_a_streamed_managed_encoder_in_comfyui_encodes_the_same_and_is_never_loa
             expected = whole.encode(prompt)
             assert torch.equal(streamed.encode(prompt), expected), prompt
             assert held(whole) and not held(streamed)
-        streamed.set_streamed(False)
+        streamed.set_place(streamed=False)
         assert torch.equal(streamed.encode(PROMPTS[0]), expected := whole.encode(PROMPTS[0])) and held(streamed)
-        streamed.set_streamed(True)
+        streamed.set_place(streamed=False, on_host=True)  # the CPU's place: loaded whole before, unloaded first
+        assert not held(streamed) and streamed.patcher.load_device == streamed.patcher.offload_device
+        assert torch.equal(streamed.encode(PROMPTS[0]), expected)
+        streamed.set_place(streamed=True)
         assert not held(streamed)
         assert torch.equal(streamed.encode(PROMPTS[0]), expected) and not held(streamed)
     assert streamed.stream.copied_bytes > 0
