@@ -286,7 +286,8 @@ def test_a_strangers_graph_with_values_of_any_json_type_is_read_without_error(co
     odd = [{"a": 1}, [1], 5, None, 1e300, True]
     prompt = {str(i): {"class_type": kind, "inputs": {name: value for name in names}}
               for i, (kind, names) in enumerate([
-                  ("ErnieImageLoader", ("model_name", "quantization", "text_encoder", "text_encoder_device")),
+                  ("ErnieImageLoader", ("model_name", "quantization", "text_encoder", "text_encoder_device",
+                                        "prompt_enhancer")),
                   ("ErnieImageDiTLoader", ("model_name", "quantization", "weight_dtype")),
                   ("ErnieImageTextEncoderLoader", ("model_name", "device", "weight_dtype")),
                   ("ErnieImagePELoader", ("model_name", "device")), ("VAELoader", ("vae_name",)),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from ..choices import SNAPSHOTS, Model, ModelList, files
+from ..choices import FROM_SNAPSHOT, SNAPSHOTS, Model, ModelList, files
 from ..errors import ErnieImageError
 from ..host.memory import device_options
 from ..inputs import lm_weight_dtype_input, wants_fp8
@@ -26,8 +26,7 @@ def _is_single_file(name: str) -> bool:
 # elsewhere). Before the one grammar (``choices``), a snapshot was listed bare.
 TEXT_ENCODER_FILES = files("text_encoders", lambda n: not is_prompt_enhancer_file(n) and _is_single_file(n), gguf=True)
 TEXT_ENCODER_MODELS = ModelList((SNAPSHOTS, TEXT_ENCODER_FILES), legacy="diffusers")
-# The all-in-one loader's text encoder: its snapshot's, or a file (a GGUF for small cards).
-FROM_SNAPSHOT = "snapshot"
+# The all-in-one loader's text encoder files (a GGUF for small cards).
 TEXT_ENCODER_FILE_MODELS = ModelList((TEXT_ENCODER_FILES,))
 
 
