@@ -383,3 +383,47 @@ def test_a_text_encoder_the_plan_put_on_the_cpu_comes_back_to_the_gpu_in_the_pla
     assert any("reading it again" in r.getMessage() for r in caplog.records)
     fp8 = ErnieTextEncoder.from_single_file(tiny.path, te.encoder.language_model.dtype, fp8=True)
     assert torch.equal(encoded[0], fp8.encode("a red cat", torch.device("cpu")).to(encoded.dtype))
+
+
+def test_a_prompt_enhancer_the_plan_put_on_the_cpu_runs_on_the_gpu_when_the_card_frees_up_on_faked_cards(
+        card, true_size_files, tiny_models, placed, tmp_path, monkeypatch, caplog):
+    """As the text encoder above, the PE (device and weight_dtype ``auto``): on the CPU as stored at 5 GiB, on the GPU
+    in fp8 at 12 GiB; the enhance node moves it without its loader running again. Before, it stayed on the CPU."""
+    import folder_paths
+    from test_pe_nodes import enhance_inputs
+
+    from comfyui_ernie_image.nodes import planning
+    from comfyui_ernie_image.nodes.pe.nodes import ErnieImagePELoader, ErnieImagePromptEnhance, result_cache
+    from comfyui_ernie_image.nodes.plan import session
+    from comfyui_ernie_image.nodes.plan.records import CPU, PROMPT_ENHANCER, RESIDENT
+    from helpers.plan_files import sparse_text_encoder
+
+    monkeypatch.setattr(folder_paths, "user_directory", str(tmp_path))  # the PE's result cache
+    result_cache.cache_clear()
+    pe_file = "plan-10gb/ernie-image-prompt-enhancer.safetensors"
+    sparse_text_encoder(placed("text_encoders", pe_file))  # a random PE is the text encoder's shape, tied
+    graph = _gguf_graph()
+    graph["pe"] = {"class_type": "ErnieImagePELoader", "inputs": {"model_name": f"text_encoders/{pe_file}"}}
+    graph["enhance"] = {"class_type": "ErnieImagePromptEnhance", "inputs": {"pe": ["pe", 0], "max_new_tokens": 64}}
+    session.register(planning.make_plan)
+    card(5)
+    monkeypatch.delenv(planning.STREAM_TEXT_ENCODER_ENV)
+    assert session.plan_for(graph).of(PROMPT_ENHANCER).place == CPU
+    tiny = placed("text_encoders", "tiny/ernie-image-prompt-enhancer.safetensors")
+    tiny.write_bytes(tiny_models["pe_single_file"].read_bytes())
+    (pe,) = ErnieImagePELoader.execute("text_encoders/tiny/ernie-image-prompt-enhancer.safetensors").result
+    assert pe.device_name == "cpu" and not pe.fp8
+    with torch.inference_mode():
+        ErnieImagePromptEnhance.execute(**enhance_inputs(["a cat"], pe, cache="off"))  # loaded on the CPU
+    before = next(pe._model.parameters())
+
+    card(12)
+    monkeypatch.delenv(planning.STREAM_TEXT_ENCODER_ENV)
+    placement = session.plan_for(graph).of(PROMPT_ENHANCER)
+    assert (placement.place, placement.form.setting) == (RESIDENT, "fp8_e4m3fn")
+    with caplog.at_level(logging.INFO), torch.inference_mode():
+        (texts,) = ErnieImagePromptEnhance.execute(**enhance_inputs(["a cat"], pe, cache="off")).result
+    assert pe.device_name == "default" and pe.fp8 and pe.loaded and texts[0]
+    assert next(pe._model.parameters()) is not before  # read again in the plan's form
+    assert any("runs the prompt enhancer on default in fp8" in r.getMessage() for r in caplog.records)
+    result_cache.cache_clear()

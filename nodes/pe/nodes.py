@@ -76,9 +76,9 @@ class ErnieImagePELoader(io.ComfyNode):
     def execute(cls, model_name: str, device: str = AUTO, dtype: str = "auto",
                 weight_dtype: str = AUTO) -> io.NodeOutput:
         session.plan_for_node(cls)
-        if device == AUTO:
-            device = "cpu" if session.place(PROMPT_ENHANCER) == CPU else "default"
-        return io.NodeOutput(_pe_file(pe_path(model_name), weight_dtype, "weight_dtype", device=device, dtype=dtype))
+        follows = device == AUTO and session.place(PROMPT_ENHANCER) is not None
+        return io.NodeOutput(_pe_file(pe_path(model_name), weight_dtype, "weight_dtype", device=_planned_device(device),
+                                      dtype=dtype, follows_plan=follows, form_follows_plan=weight_dtype == AUTO))
 
 
 class ErnieImagePERemote(io.ComfyNode):
@@ -143,6 +143,13 @@ def pe_file_input(name: str) -> io.Combo.Input:
                           "cards).")
 
 
+def _planned_device(device: str) -> str:
+    """The PE loader's ``device`` with ``auto`` as the plan resolves it (ComfyUI's GPU, or the CPU)."""
+    if device != AUTO:
+        return device
+    return "cpu" if session.place(PROMPT_ENHANCER) == CPU else "default"
+
+
 def planned_fp8(weight_dtype: str) -> bool:
     """Whether the PE's decoder layers are fp8: ``weight_dtype`` (``pe_weight_dtype_input``), ``auto`` as the plan
     resolves it."""
@@ -196,6 +203,7 @@ class ErnieImagePromptEnhance(io.ComfyNode):
                                "nor store."),
             ],
             outputs=[io.String.Output(display_name="prompt", is_output_list=True)],
+            hidden=[io.Hidden.prompt],
         )
 
     @classmethod
@@ -221,6 +229,8 @@ class ErnieImagePromptEnhance(io.ComfyNode):
             if backend is None:
                 raise EnhancerError("No prompt enhancer is connected (or the snapshot has no pe/ folder): connect "
                                     "an ERNIE-Image PE loader or the remote PE, or turn 'enabled' off.")
+            if isinstance(backend, LocalPromptEnhancer) and session.plan_for_node(cls) is not None:
+                backend.follow(_planned_device(AUTO), planned_fp8(AUTO))  # a plan made since its loader ran
             params = SamplingParams(temperature[0], top_p[0], max_new_tokens[0], seed[0])
             mode = cache[0] if cache else "use"
             texts = [c.text for c in enhance_cached(backend, specs, params, result_cache(), mode)]
