@@ -5,13 +5,14 @@ version file. A CPU machine never takes these paths in a real run, so each test 
 from __future__ import annotations
 
 import gc
+import sys
 
 import comfy.model_management as mm
 import comfy.model_patcher
 import pytest
 import torch
 
-from comfyui_ernie_image.nodes.host import plan
+from comfyui_ernie_image.nodes.host import plan, probe
 
 CPU = torch.device("cpu")
 
@@ -47,3 +48,15 @@ def test_a_model_another_node_leaked_is_left_out_of_the_memory_models_hold_on_th
     assert plan._loaded_on(CPU) == live.loaded_size() == 64 * 64 * 4 + 64 * 4
     del leaked_module
 
+
+def test_the_driver_version_is_read_once_per_process(tmp_path, monkeypatch):
+    """The machine key is made at every plan request (each loader and encode node of every prompt); on a GPU its
+    driver version came from NVML (``nvmlInit`` and ``nvmlShutdown`` each time) or the kernel module's file. A driver
+    cannot change under a process that holds a CUDA context: it is read once. (No NVML here: the file's answer.)"""
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # NVML absent: the file is read
+    probe.driver_version.cache_clear()  # this process's first reading
+    version = tmp_path / "version"
+    version.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.95.05  Tue Sep 23 09:27:38 UTC 2025\n")
+    assert probe.driver_version(version) == "580.95.05"
+    version.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  999.1  Tue Sep 23 09:27:38 UTC 2025\n")
+    assert probe.driver_version(version) == "580.95.05"

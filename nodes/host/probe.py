@@ -17,6 +17,7 @@ on the GPU is one DiT block in one form (436 MB in bf16) with its activations, o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import platform
 import re
@@ -293,6 +294,7 @@ def measure(device: torch.device | str, shapes: Shapes = TRUE_SHAPES,
     return Costs(machine_key(device), pinned, pageable, seconds, {"text:bf16": cpu_text})
 
 
+@functools.cache  # asked at every plan request; a driver cannot change under a process that holds a CUDA context
 def driver_version(version_file: Path = NVIDIA_VERSION_FILE) -> str:
     """The NVIDIA driver's version: NVML's answer where ``pynvml`` (nvidia-ml-py) imports, else the kernel module's
     own file, else ``unknown`` (torch cannot tell)."""
