@@ -304,6 +304,7 @@ def records(want: Wanted, device: torch.device) -> tuple[list[LoadRecord], LoraS
 
 
 _made: dict[tuple, Plan] = {}
+_unmeasured: set[str] = set()  # the devices whose probe failed in this process
 # The usable memory drifts by what torch caches between stages: a plan is kept until it differs by more than this.
 DRIFT = 2**29
 
@@ -316,13 +317,18 @@ def make_plan(prompt: Mapping) -> Plan | None:
     if fixed is not None:
         _say_once(f"ERNIE-Image: {fixed}: models are placed as ComfyUI places them (no memory plan)")
         return None
+    if str(device) in _unmeasured:
+        return None
     try:
         costs = costs_here(device)
     except Interrupted:
         raise
     except Exception as error:  # a probe that cannot measure here leaves placement to core, and says why once
+        # Not measured again at the next node or prompt: each try would take up to the probe's 15 s again.
+        _unmeasured.add(str(device))
         _say_once(f"ERNIE-Image: the costs of this GPU could not be measured ({type(error).__name__}: "
-                  f"{str(error)[:200]}): models are placed as ComfyUI places them (no memory plan)", logging.WARNING)
+                  f"{str(error)[:200]}): models are placed as ComfyUI places them (no memory plan; measured again "
+                  "when ComfyUI restarts)", logging.WARNING)
         return None
     if costs is None:
         return None

@@ -48,6 +48,7 @@ def card(monkeypatch):
         monkeypatch.setattr(planning, "costs_here", lambda device: costs())
         monkeypatch.setenv(planning.STREAM_TEXT_ENCODER_ENV, "on")
         planning._made.clear()
+        planning._unmeasured.clear()
 
     return answer
 
@@ -332,12 +333,15 @@ def test_an_explicit_weight_dtype_under_quantization_auto_is_kept_on_a_faked_24g
 def test_a_probe_that_cannot_measure_leaves_placement_to_core_and_says_so_injected_fault(card, true_size_files,
                                                                                           monkeypatch, caplog):
     """The probe failing on a GPU (injected: none is known) must not stop the prompt: no plan, and one warning that
-    names what failed."""
+    names what failed. The probe is not run again at the next plan request (each loader and encode node asks, and a
+    probe takes up to 15 s)."""
     from comfyui_ernie_image.nodes import planning
 
     card(10)
+    probes = []
 
     def failing(device):
+        probes.append(device)
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(planning, "costs_here", failing)
@@ -347,7 +351,9 @@ def test_a_probe_that_cannot_measure_leaves_placement_to_core_and_says_so_inject
         assert planning.make_plan(_gguf_graph()) is None
     said = [r.getMessage() for r in caplog.records if "could not be measured" in r.getMessage()]
     assert said == ["ERNIE-Image: the costs of this GPU could not be measured (RuntimeError: CUDA error: an illegal "
-                    "memory access was encountered): models are placed as ComfyUI places them (no memory plan)"]
+                    "memory access was encountered): models are placed as ComfyUI places them (no memory plan; "
+                    "measured again when ComfyUI restarts)"]
+    assert len(probes) == 1
 
 
 def test_a_text_encoder_the_plan_put_on_the_cpu_comes_back_to_the_gpu_in_the_plans_new_form_on_faked_cards(
