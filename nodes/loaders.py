@@ -85,6 +85,8 @@ def _load_model(path: Path, weight_dtype: str, quantization: str, shift: float, 
     dit.quantization, dit.quantize_to = quantization, halving_method(cuda_arch(device))
     if dit.gguf_types:
         dit.quantization, dit.quantize_to = "GGUF", None  # quantized in its file: no loader method applies
+    else:
+        session.loaded(DIT, str(path), f"{quantization}/{weight_dtype}")  # the plans keep it while ComfyUI does
     # Core's mixed-precision layers under torch.compile are unverified (they have not run on a GPU): a file held in
     # them stays eager unless ErnieImageCompile asks, as do the methods that say so. A GGUF DiT compiles (its decode
     # fused by inductor). Blocks stored in fp8 compile only where Triton converts fp8 (sm89+).
@@ -156,6 +158,7 @@ class ErnieImageLoader(io.ComfyNode):
                 prompt_enhancer: str = FROM_SNAPSHOT) -> io.NodeOutput:
         resolved = SNAPSHOT_MODELS.resolve(model_name)
         snapshot = resolved.path
+        session.loading(DIT, str(snapshot))
         session.plan_for_node(cls)
         model = _load_model(snapshot, weight_dtype, quantization, snapshot_shift(snapshot))
         encoder = resolved if text_encoder == FROM_SNAPSHOT else TEXT_ENCODER_FILE_MODELS.resolve(text_encoder)
@@ -194,6 +197,7 @@ class ErnieImageDiTLoader(io.ComfyNode):
     @classmethod
     def execute(cls, model_name: str, weight_dtype: str = "default", quantization: str = AUTO) -> io.NodeOutput:
         model = DIT_MODELS.resolve(model_name)
+        session.loading(DIT, str(model.path))
         session.plan_for_node(cls)
         shift = snapshot_shift(model.path) if model.folder == SNAPSHOTS.folder else DEFAULT_SHIFT
         return io.NodeOutput(_load_model(model.path, weight_dtype, quantization, shift))

@@ -44,7 +44,7 @@ from .plan.describe import (
     vae_record,
 )
 from .plan.planner import GIB, BelowFloor, Card, Plan, plan
-from .plan.records import CPU, PER_PROMPT, PROMPT_ENHANCER, RESIDENT, TEXT_ENCODER, LoadRecord, LoraSet
+from .plan.records import CPU, DIT, PER_PROMPT, PROMPT_ENHANCER, RESIDENT, TEXT_ENCODER, LoadRecord, LoraSet
 from .plan.session import AUTO
 from .quant.capability import FP8_MIN_ARCH, probe
 from .quant.saved import weight_files
@@ -230,11 +230,13 @@ def _dit(want: Wanted, device: torch.device, floor: int) -> LoadRecord:
     facts = probe(device)
     compiles = compiles_by_default(device)
     pixels = want.latent[0] * want.latent[-2] * want.latent[-1] / (LATENT_1024[-2] * LATENT_1024[-1])
+    # An explicit setting, or under auto the form its loader made already (ComfyUI reuses its output).
+    fixed = _dit_setting(quantization, weight_dtype, gguf) or session.held_form(DIT, str(path))
     return dit_record(str(path), tensors, gguf_type=dominant_gguf_type(tensors) if gguf else None,
                       fp8_matmul=facts.torchao and facts.arch is not None and facts.arch >= FP8_MIN_ARCH,
                       runs=want.steps * want.forwards,
                       working=max(floor, step_estimate(ErnieImageConfig, want.latent, torch.bfloat16)),
-                      fixed=_dit_setting(quantization, weight_dtype, gguf),
+                      fixed=None if gguf else fixed,
                       compute_scale=pixels * (COMPILED if compiles else 1.0),
                       eager_factor=1 / COMPILED if compiles else 1.0)
 
@@ -334,7 +336,7 @@ def make_plan(prompt: Mapping) -> Plan | None:
         return None
     want = wanted(prompt)
     usable = usable_for_models(device) - session.short()
-    key = (want, costs.key, session.short())  # an out-of-memory correction plans anew
+    key = (want, costs.key, session.short(), session.held_forms())  # a correction or a DiT loaded plans anew
     kept = _made.get(key)
     if kept is not None and abs(kept.card.usable - usable) <= DRIFT:
         return kept
@@ -351,7 +353,8 @@ def make_plan(prompt: Mapping) -> Plan | None:
         return None
     if made is None:
         return None
-    logging.info("ERNIE-Image: %s", made.line())
+    if all(kept.line() != made.line() for kept in _made.values()):  # the same plan again (a DiT loaded) is not news
+        logging.info("ERNIE-Image: %s", made.line())
     _made.clear()
     _made[key] = made
     return made

@@ -433,3 +433,42 @@ def test_a_prompt_enhancer_the_plan_put_on_the_cpu_runs_on_the_gpu_when_the_card
     assert next(pe._model.parameters()) is not before  # read again in the plan's form
     assert any("runs the prompt enhancer on default in fp8" in r.getMessage() for r in caplog.records)
     result_cache.cache_clear()
+
+
+def test_a_dit_loaded_in_one_form_is_planned_in_it_until_its_loader_runs_again_on_faked_cards(
+        card, true_size_files, placed, tiny_models, caplog):
+    """ComfyUI reuses a loader's output while its inputs stay, so a DiT made in fp8 storage on a 12 GiB card stays so
+    when the card frees up (another program closed): the plans made meanwhile keep that form and place the other
+    models around it (before, they planned a bf16 DiT that was not there). When its loader runs again, the plan
+    picks freely. The loader records the form it made."""
+    from comfyui_ernie_image.nodes import planning
+    from comfyui_ernie_image.nodes.loaders import ErnieImageDiTLoader
+    from comfyui_ernie_image.nodes.plan import session
+    from comfyui_ernie_image.nodes.plan.records import DIT
+    from helpers.plan_files import sparse_safetensors
+    from helpers.plan_records import dit_tensors
+
+    dit = sparse_safetensors(placed("diffusion_models", "plan-turbo/ernie-image-turbo.safetensors"),
+                             {t.name: t.shape for t in dit_tensors()})
+    prompt = _gguf_graph()
+    for node in prompt.values():
+        if node["class_type"] == "ErnieImageDiTLoader":
+            node["inputs"]["model_name"] = "diffusion_models/plan-turbo/ernie-image-turbo.safetensors"
+    session.register(planning.make_plan)
+    card(12)
+    small = session.plan_for(prompt).of(DIT).form.setting
+    card(32)
+    free = session.plan_for(prompt).of(DIT).form.setting
+    assert (small, free) == ("none/fp8_e4m3fn", "none/default")
+
+    session.loaded(DIT, str(dit), small)  # as the loader records what it made under the 12 GiB plan
+    with caplog.at_level(logging.INFO):
+        kept = session.plan_for(prompt)
+    assert kept.of(DIT).form.setting == small
+    assert any("DiT fp8" in r.getMessage() for r in caplog.records if "plan for" in r.getMessage())
+    session.loading(DIT, str(dit))  # its loader runs again
+    assert session.plan_for(prompt).of(DIT).form.setting == free
+
+    tiny = tiny_models["single_file"]
+    ErnieImageDiTLoader.execute(f"diffusion_models/{tiny.name}", "default", "auto")
+    assert session.held_form(DIT, str(tiny)) in ("none/default", "none/fp8_e4m3fn")

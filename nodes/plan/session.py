@@ -80,6 +80,30 @@ def _placement(role: str) -> Placement | None:
     return _latest[0].of(role) if _latest[0] is not None else None
 
 
+# The form each loader made of a file, while ComfyUI may reuse its output: a DiT's form changes only when its loader
+# runs again, so the plans made meanwhile keep it (the text encoder and the PE follow the plan's forms themselves).
+_held: dict[tuple[str, str], str] = {}
+
+
+def loaded(role: str, source: str, setting: str) -> None:
+    """``role``'s loader made ``source`` in the form of ``setting``: later plans keep that form."""
+    _held[(role, source)] = setting
+
+
+def loading(role: str, source: str) -> None:
+    """``role``'s loader runs again for ``source``: the plan it asks for may pick any form."""
+    _held.pop((role, source), None)
+
+
+def held_form(role: str, source: str) -> str | None:
+    """The form ``role``'s loader made of ``source`` (None: not loaded in this process, or loading again)."""
+    return _held.get((role, source))
+
+
+def held_forms() -> tuple[tuple[tuple[str, str], str], ...]:
+    return tuple(sorted(_held.items()))
+
+
 _started: list[float | None] = [None]
 
 
@@ -99,6 +123,8 @@ def prompt_finished() -> None:
 
 
 def forget() -> None:
-    """No plan, no correction and no prompt timing until the next graph asks (a new process's state)."""
+    """No plan, no correction, no held form and no prompt timing until the next graph asks (a new process's
+    state)."""
     _latest[0], _started[0], _retried[0] = None, None, None
     _short[0] = 0
+    _held.clear()
