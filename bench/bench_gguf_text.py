@@ -122,12 +122,18 @@ def write_single_file(models: Path, tiny: bool, device: torch.device) -> Path:
 
 def measured(part: str, variants: dict, measure: Callable[..., dict], deadline: float):
     """Each of ``variants`` (label: the arguments of ``measure``) measured while there is time, its models gone
-    before the next; a row saying "not run" for each one after the deadline."""
+    before the next; a row saying "not run" for each one after the deadline, and the error of one that failed (the
+    others still run: one call on a lent machine)."""
     for label, arguments in variants.items():
         if time.time() > deadline:
             yield dict(part=part, variant=label, error="not run: deadline")
             continue
-        yield dict(part=part, variant=label, **measure(*arguments))
+        try:
+            row = measure(*arguments)
+        except Exception as error:
+            traceback.print_exc()
+            row = dict(error=f"{type(error).__name__}: {error}"[:300])
+        yield dict(part=part, variant=label, **row)
         free_all()
 
 
@@ -231,11 +237,13 @@ def measure_dit(path: Path, kind: str, state: dict, inputs: tuple, clock: Clock,
     from comfyui_ernie_image.nodes.dit.gguf import load_gguf_dit
 
     start = time.perf_counter()
-    write_gguf(path, state, uniform_kind(kind), arch="wan")
-    row = dict(file_mb=round(path.stat().st_size / 1e6, 1), write_s=round(time.perf_counter() - start, 1))
-    start = time.perf_counter()
-    dit = load_gguf_dit(path, inputs[0].dtype).to(clock.device)
-    path.unlink()  # loaded: the disk is the check's
+    try:
+        write_gguf(path, state, uniform_kind(kind), arch="wan")
+        row = dict(file_mb=round(path.stat().st_size / 1e6, 1), write_s=round(time.perf_counter() - start, 1))
+        start = time.perf_counter()
+        dit = load_gguf_dit(path, inputs[0].dtype).to(clock.device)
+    finally:
+        path.unlink(missing_ok=True)  # loaded (or not): the disk is the check's
     row["load_s"] = round(time.perf_counter() - start, 2)
     row["held_mb"] = round(tensor_bytes([*dit.parameters(), *dit.buffers()], clock.device) / 1e6, 1)
 
@@ -277,7 +285,8 @@ def bench_dits(work: Path, clock: Clock, repeats: int, tiny: bool, compiled: boo
 
 
 def table(rows: list[dict]) -> str:
-    columns = {"te": ["file_mb", "held_mb", "allocated_mb", "load_s", "first_encode_s", "tokens", "warm_encode_ms"],
+    columns = {"files": [],
+               "te": ["file_mb", "held_mb", "allocated_mb", "load_s", "first_encode_s", "tokens", "warm_encode_ms"],
                "pe": ["file_mb", "held_mb", "load_s", "prompt_tokens", "new_tokens", "warmup_s", "ttft_ms",
                       "decode_tok_s"],
                "dit": ["file_mb", "write_s", "held_mb", "load_s", "eager_ms", "compile_s", "compiled_ms"]}
@@ -321,9 +330,15 @@ def main() -> None:
     parts = args.parts.split(",")
     start = time.perf_counter()
     if {"te", "pe"} & set(parts):
-        write_single_file(args.models, args.tiny, device)
-        write_gguf_text_encoders(args.models, list(GGUF_TEXT_ENCODERS), true_size=not args.tiny)
+        try:
+            write_single_file(args.models, args.tiny, device)
+            write_gguf_text_encoders(args.models, list(GGUF_TEXT_ENCODERS), true_size=not args.tiny)
+        except Exception as error:  # the text encoder files: without them, only the DiT part can run
+            traceback.print_exc()
+            save(dict(part="files", variant="text encoder files", error=f"{type(error).__name__}: {error}"[:300]))
+            parts = [part for part in parts if part == "dit"]
         report["files_s"] = round(time.perf_counter() - start, 1)
+        free_all()
     measures = {"te": lambda: bench_text_encoders(args.models, clock, args.repeats, deadline),
                 "pe": lambda: bench_prompt_enhancers(args.models, clock, args.pe_tokens, max(args.repeats // 2, 1),
                                                      args.tiny, deadline),
