@@ -51,7 +51,7 @@ from checks.gpu.e2e_models import GGUF_TEXT_ENCODERS, write_gguf_text_encoders  
 from scripts.gguf_writer import uniform_kind, write_gguf  # noqa: E402
 
 SINGLE_FILE = "text_encoders/ministral-3-3b.safetensors"  # the check's (e2e_models.py)
-Q4_K_M, Q8_0 = sorted(GGUF_TEXT_ENCODERS, key=lambda name: GGUF_TEXT_ENCODERS[name] != "Q4_K_M")
+GGUF_FILE = {file_type: name for name, file_type in GGUF_TEXT_ENCODERS.items()}  # Q4_K_M, Q8_0: the check's
 PROMPT = "A cozy reading nook by a rainy window, warm lamp light, a cat asleep on a stack of books"  # the check's
 DIT_TYPES = ("Q4_0", "Q4_K")
 PARTS = ("te", "pe", "dit")
@@ -97,19 +97,16 @@ def free_all() -> None:
 
 def write_single_file(models: Path, tiny: bool, device: torch.device) -> Path:
     """The check's bf16 single-file text encoder, written as ``e2e_models`` writes it, where no check left one."""
+    from bench_pe import random_true_size_pe  # the PE's geometry is TRUE_MINISTRAL's
     from safetensors.torch import save_file
 
-    from scripts.tiny_models import make_pipeline, make_tokenizer, save_text_encoder_single_file
+    from scripts.tiny_models import make_pipeline, make_tokenizer, save_text_encoder_single_file, tekken_entry
 
     path = models / SINGLE_FILE
     if path.is_file():
         return path
     if tiny:
         return save_text_encoder_single_file(make_pipeline(), path)
-    from bench_pe import random_true_size_pe  # the PE's geometry is TRUE_MINISTRAL's
-
-    from scripts.tiny_models import tekken_entry
-
     model = random_true_size_pe(device=str(device)).model
     state = {f"model.{k}": v.contiguous().cpu() for k, v in model.state_dict().items()}
     state["tekken_model"] = tekken_entry(make_tokenizer())
@@ -165,7 +162,7 @@ def bench_text_encoders(models: Path, clock: Clock, repeats: int, deadline: floa
     gguf = ManagedTextEncoder.from_gguf
     variants = {"bf16 safetensors": (SINGLE_FILE, single_file(False)),
                 "fp8 safetensors": (SINGLE_FILE, single_file(True)),
-                "GGUF Q4_K_M": (Q4_K_M, gguf), "GGUF Q8_0": (Q8_0, gguf)}
+                "GGUF Q4_K_M": (GGUF_FILE["Q4_K_M"], gguf), "GGUF Q8_0": (GGUF_FILE["Q8_0"], gguf)}
     return measured("te", {label: (models / name, load, clock, repeats) for label, (name, load) in variants.items()},
                     measure_text_encoder, deadline)
 
@@ -211,7 +208,7 @@ def bench_prompt_enhancers(models: Path, clock: Clock, new_tokens: int, repeats:
     decode = "static" if tiny else "static-compiled"  # what "auto" takes on CUDA; eager for the CPU smoke run
     prompt = [None]
     variants = {"bf16 safetensors": (SINGLE_FILE, False), "fp8 safetensors": (SINGLE_FILE, True),
-                "GGUF Q4_K_M": (Q4_K_M, False)}
+                "GGUF Q4_K_M": (GGUF_FILE["Q4_K_M"], False)}
     return measured("pe", {label: (models / name, fp8, prompt, clock, new_tokens, repeats, decode)
                            for label, (name, fp8) in variants.items()}, measure_prompt_enhancer, deadline)
 

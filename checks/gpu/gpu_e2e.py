@@ -49,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -151,7 +152,7 @@ def card_sizes(text: str) -> list[float]:
                                          f"larger than {CUDA_CONTEXT_GIB}; got {text[:80]!r}: {error}") from None
 
 
-def prepare(work: Path, true_size: bool, gguf_text_encoders: list[str] = ()) -> Path:
+def prepare(work: Path, true_size: bool, gguf_text_encoders: Sequence[str] = ()) -> Path:
     """The models folder, written once (in a process of its own: the GPU memory goes back when it ends), with the
     GGUF text encoders ``gguf_text_encoders`` (``twin_files``)."""
     models = work / "models"
