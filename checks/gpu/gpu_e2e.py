@@ -13,7 +13,7 @@
     python checks/gpu/gpu_e2e.py --cards 10,12,8 --copies --workflows ernie_image_gguf_te_q4,ernie_image_gguf_te_q8
 
 Writes true-size random-weight models in the real layouts once (``e2e_models.py``; about 42 GB under ``--work``, and
-the GGUF text encoders, 2.1 and 3.5 GB, only when a twin that reads them runs: ``ernie_image_gguf_te_q4`` and
+the GGUF text encoders, 2.1 and 3.6 GB, only when a twin that reads them runs: ``ernie_image_gguf_te_q4`` and
 ``ernie_image_gguf_te_q8``, the GGUF workflow with llama.cpp's Q4_K_M and Q8_0 text encoder),
 then runs one ComfyUI process per mode (``e2e_worker.py``), each running the API twins of ``tests/workflows/`` that
 ComfyUI 0.3.75 can run (the native-ERNIE twin needs ComfyUI >= 0.19; the remote-PE twin needs a server: both are
