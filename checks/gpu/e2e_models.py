@@ -21,9 +21,9 @@ A ComfyUI ``models`` folder for the GPU end-to-end check (``gpu_e2e.py``):
   the diffusers PEFT layout, the name the LoRA workflow picks;
 - on demand, only when a twin that reads them runs (``--gguf-text-encoders``, which ``gpu_e2e.py`` passes):
   ``text_encoders/ernie-image-text-encoder-Q4_K_M.gguf`` and ``-Q8_0.gguf``, the text encoder as llama.cpp's Q4_K_M
-  and Q8_0 files (``scripts/ministral_gguf_writer.py``: its names, metadata and mix, the tokenizer above grown to
-  131,072 tokens). At true size their weights are random valid blocks (2.1 and 3.6 GB); tiny, the tiny text
-  encoder's weights quantized.
+  and Q8_0 files (``scripts/ministral_gguf_writer.py``: its names, metadata and mix; the single file's tokenizer
+  grown to the vocabulary, so a prompt has the same ids with both). At true size their weights are random valid
+  blocks (2.1 and 3.6 GB); tiny, the tiny text encoder's weights quantized.
 
 ``true_size=True`` builds the released sizes on the GPU (an 8B DiT and two 3.4B Ministral 3 models, bf16,
 normal(0, 0.02) weights, about 42 GB on disk with the GGUF); otherwise the tiny models of ``scripts/tiny_models.py``
