@@ -44,8 +44,8 @@ HEAD_DIM = 128
 LAYER_ORDER = ("input_layernorm", "mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "post_attention_layernorm",
                "self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj")
 FILE_TYPES = {"Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
-# llama-quantize's types for rows that do not fill 256-value blocks (llama-quant.cpp, llama_tensor_get_type's
-# fallback): a tiny model's 32-wide rows.
+# llama-quantize's types for rows that do not fill 256-value blocks (llama.cpp src/llama-quant.cpp,
+# ``tensor_type_fallback``, read at 007dbbf3): a tiny model's 32-wide rows.
 FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
@@ -57,15 +57,16 @@ def converter_permute(weights: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def use_more_bits(layer: int, layers: int) -> bool:
-    """llama.cpp's ``use_more_bits`` (llama-quant.cpp): the layers a Q4_K_M keeps its value and down projections of
-    in Q6_K (the first and last eighth, and every third between)."""
+    """llama.cpp's ``use_more_bits`` (src/llama-quant.cpp at 007dbbf3): the layers a Q4_K_M keeps its value and down
+    projections of in Q6_K (the first and last eighth, and every third between)."""
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
 def q4_k_m_kind(layers: int, tied: bool = True) -> Callable[[str, torch.Tensor], str]:
-    """llama-quantize's Q4_K_M (llama-quant.cpp, ``llama_tensor_get_type``): Q4_K, but ``attn_v`` and ``ffn_down``
-    Q6_K where ``use_more_bits``, the head Q6_K (the token embeddings when ``tied``: no ``output.weight``), 1-D F32;
-    rows not of whole 256-value blocks in ``FALLBACK``'s types."""
+    """llama-quantize's Q4_K_M (src/llama-quant.cpp at 007dbbf3, ``llama_tensor_get_type_impl``): Q4_K, but
+    ``attn_v`` and ``ffn_down`` Q6_K where ``use_more_bits``, the head Q6_K (the token embeddings when ``tied``: no
+    ``output.weight``), 1-D F32; rows not of whole 256-value blocks in ``FALLBACK``'s types (the tied embeddings
+    then Q8_0, as there)."""
     head = "token_embd.weight" if tied else "output.weight"
 
     def kind(name: str, value: torch.Tensor) -> str:
