@@ -134,6 +134,7 @@ def measured(part: str, variants: dict, measure: Callable[..., dict], deadline: 
         free_all()
 
 
+@torch.inference_mode()  # as ComfyUI runs its nodes: the loader and the encode node
 def measure_text_encoder(path: Path, load: Callable, clock: Clock, repeats: int) -> dict:
     """A text encoder loaded by the pack, encoded once (loading onto the device) and ``repeats`` times."""
     row = dict(file=path.name, file_mb=round(path.stat().st_size / 1e6, 1))
