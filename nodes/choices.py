@@ -50,6 +50,8 @@ def files(folder: str, keep: Callable[[str], bool] = lambda name: True, gguf: bo
 
 
 SNAPSHOTS = Source("diffusers", snapshot_names, snapshot_path)
+# The all-in-one loader's text encoder and PE: its snapshot's, or a file of models/text_encoders instead.
+FROM_SNAPSHOT = "snapshot"
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from comfy_api.v0_0_2 import io
 
 from .accel.compile import compiles_by_default, fp8_cast_problem
 from .accel.patching import compile_by_default
-from .choices import DIT_MODELS, SNAPSHOT_MODELS, SNAPSHOTS
+from .choices import DIT_MODELS, FROM_SNAPSHOT, SNAPSHOT_MODELS, SNAPSHOTS
 from .dit.build import dit_skeleton, load_dit
 from .dit.gguf import gguf_dtype, load_gguf_dit
 from .dit.model import make_model_patcher
@@ -23,7 +23,7 @@ from .gguf.dequant import BLOCK_TYPE_NAMES
 from .host.memory import capacity, fits_whole, torch_device, usable_memory
 from .host.sizes import module_bytes
 from .model_files import is_gguf
-from .pe.nodes import pe_weight_dtype_input, snapshot_pe
+from .pe.nodes import pe_file_input, pe_weight_dtype_input, snapshot_pe
 from .plan import session
 from .plan.records import DIT, RESIDENT
 from .quant.capability import METHODS, cuda_arch, halving_method, probe
@@ -31,7 +31,6 @@ from .quant.choice import AUTO, choose, fp8_bytes
 from .quant.quantize import load_quantized_dit
 from .sockets import ErniePEType, ErnieTextEncoderType
 from .text.nodes import (
-    FROM_SNAPSHOT,
     TEXT_ENCODER_FILE_MODELS,
     load_text_encoder,
     text_encoder_device_input,
@@ -135,6 +134,7 @@ class ErnieImageLoader(io.ComfyNode):
                 text_encoder_weight_dtype_input("text_encoder_weight_dtype"),
                 pe_weight_dtype_input("pe_weight_dtype"),
                 text_encoder_file_input("text_encoder"),
+                pe_file_input("prompt_enhancer"),
             ],
             outputs=[
                 io.Model.Output(),
@@ -152,7 +152,8 @@ class ErnieImageLoader(io.ComfyNode):
     @classmethod
     def execute(cls, model_name: str, weight_dtype: str = "default", quantization: str = AUTO,
                 text_encoder_device: str = AUTO, text_encoder_weight_dtype: str = AUTO,
-                pe_weight_dtype: str = AUTO, text_encoder: str = FROM_SNAPSHOT) -> io.NodeOutput:
+                pe_weight_dtype: str = AUTO, text_encoder: str = FROM_SNAPSHOT,
+                prompt_enhancer: str = FROM_SNAPSHOT) -> io.NodeOutput:
         resolved = SNAPSHOT_MODELS.resolve(model_name)
         snapshot = resolved.path
         session.plan_for_node(cls)
@@ -162,7 +163,7 @@ class ErnieImageLoader(io.ComfyNode):
             model,
             load_text_encoder(encoder, text_encoder_device, text_encoder_weight_dtype),
             load_snapshot_vae(snapshot),
-            snapshot_pe(snapshot, pe_weight_dtype),
+            snapshot_pe(snapshot, pe_weight_dtype, prompt_enhancer),
         )
 
 

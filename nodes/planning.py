@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .accel.compile import compiles_by_default
-from .choices import DIT_MODELS, SNAPSHOT_MODELS, SNAPSHOTS
+from .choices import DIT_MODELS, FROM_SNAPSHOT, SNAPSHOT_MODELS, SNAPSHOTS
 from .dit.model import ErnieImageConfig
 from .dit.vae import decode_memory
 from .errors import ErnieImageError
@@ -31,7 +31,7 @@ from .ministral_file import IGNORED, LM_HEADS
 from .ministral_gguf import held_bytes
 from .model_files import is_gguf, read_folder_headers, read_header
 from .paths import model_file_path
-from .pe.locate import pe_path
+from .pe.locate import PE_FILE_MODELS, pe_path
 from .plan import session
 from .plan.describe import (
     Tensor,
@@ -48,7 +48,7 @@ from .plan.records import CPU, PER_PROMPT, PROMPT_ENHANCER, RESIDENT, TEXT_ENCOD
 from .plan.session import AUTO
 from .quant.capability import FP8_MIN_ARCH, probe
 from .quant.saved import weight_files
-from .text.nodes import FROM_SNAPSHOT, TEXT_ENCODER_FILE_MODELS, TEXT_ENCODER_MODELS
+from .text.nodes import TEXT_ENCODER_FILE_MODELS, TEXT_ENCODER_MODELS
 
 # A compiled DiT block against an eager one: a Q4_K_M DiT's warm Turbo prompt took 1.2 s compiled, 2.2 s eager on
 # the H200 (README). The probe times eager layers (compiling takes longer than its budget); blocks core streams stay
@@ -118,8 +118,13 @@ def wanted(prompt: Mapping) -> Wanted:
             found["text"] = (*text, _value(inputs, "text_encoder_device", AUTO),
                              _value(inputs, "text_encoder_weight_dtype", AUTO))
             found.setdefault("vae", snapshot / "vae" / "diffusion_pytorch_model.safetensors")
-            if _linked(prompt, node, 3) and (snapshot / "pe").is_dir():
-                found["pe"] = (snapshot / "pe", "default", _value(inputs, "pe_weight_dtype", AUTO))
+            pe = snapshot / "pe"
+            chosen = _value(inputs, "prompt_enhancer", FROM_SNAPSHOT)
+            if chosen != FROM_SNAPSHOT:  # a PE of models/text_encoders instead of the snapshot's
+                file = _resolved(PE_FILE_MODELS, chosen)
+                pe = file[1] if file else None
+            if _linked(prompt, node, 3) and pe is not None and pe.exists():
+                found["pe"] = (pe, "default", _value(inputs, "pe_weight_dtype", AUTO))
         elif kind == "ErnieImageDiTLoader" and (model := _resolved(DIT_MODELS, name)):
             found["dit"] = (model[1], _value(inputs, "quantization", AUTO), _value(inputs, "weight_dtype", "default"))
         elif kind == "ErnieImageTextEncoderLoader" and (model := _resolved(TEXT_ENCODER_MODELS, name)):
@@ -299,6 +304,7 @@ def records(want: Wanted, device: torch.device) -> tuple[list[LoadRecord], LoraS
 
 
 _made: dict[tuple, Plan] = {}
+_unmeasured: set[str] = set()  # the devices whose probe failed in this process
 # The usable memory drifts by what torch caches between stages: a plan is kept until it differs by more than this.
 DRIFT = 2**29
 
@@ -311,13 +317,18 @@ def make_plan(prompt: Mapping) -> Plan | None:
     if fixed is not None:
         _say_once(f"ERNIE-Image: {fixed}: models are placed as ComfyUI places them (no memory plan)")
         return None
+    if str(device) in _unmeasured:
+        return None
     try:
         costs = costs_here(device)
     except Interrupted:
         raise
     except Exception as error:  # a probe that cannot measure here leaves placement to core, and says why once
+        # Not measured again at the next node or prompt: each try would take up to the probe's 15 s again.
+        _unmeasured.add(str(device))
         _say_once(f"ERNIE-Image: the costs of this GPU could not be measured ({type(error).__name__}: "
-                  f"{str(error)[:200]}): models are placed as ComfyUI places them (no memory plan)", logging.WARNING)
+                  f"{str(error)[:200]}): models are placed as ComfyUI places them (no memory plan; measured again "
+                  "when ComfyUI restarts)", logging.WARNING)
         return None
     if costs is None:
         return None

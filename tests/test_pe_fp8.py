@@ -209,9 +209,9 @@ def test_a_core_fp8_pe_file_loads_as_fp8(tiny_models, bf16_file_pe, tmp_path, la
 
 
 def test_the_pe_loaders_take_weight_dtype_last_and_optional(comfy_paths):
-    # Last when added; the all-in-one loader's text_encoder file (issue 44) came after it, last in turn.
+    # Last when added; the all-in-one loader's text_encoder and prompt_enhancer files (issue 44) came after it.
     for node, name, after in ((ErnieImagePELoader, "weight_dtype", []), (ErnieImageLoader, "pe_weight_dtype",
-                                                                         ["text_encoder"])):
+                                                                         ["text_encoder", "prompt_enhancer"])):
         inputs = node.define_schema().inputs
         spec = inputs[-1 - len(after)]
         assert [i.id for i in inputs[len(inputs) - len(after):]] == after

@@ -97,6 +97,33 @@ def test_fp8_asked_of_a_gguf_pe_is_refused(listed):
         ErnieImagePELoader.execute(listed["gguf"], "cpu", "float32", "fp8_e4m3fn")
 
 
+def test_the_all_in_one_loader_takes_a_gguf_pe_as_its_last_input(listed, comfy_paths):
+    """Its new last input: the snapshot's PE (as a workflow saved before it runs), or a PE of models/text_encoders;
+    the memory plan reads the same choice off the graph."""
+    from comfyui_ernie_image.nodes import planning
+    from comfyui_ernie_image.nodes.loaders import ErnieImageLoader
+
+    inputs = ErnieImageLoader.define_schema().inputs
+    spec = inputs[-1]
+    assert (spec.id, spec.optional, spec.default) == ("prompt_enhancer", True, "snapshot")
+    assert listed["gguf"] in spec.options and listed["twin"] in spec.options
+    assert not any(o.startswith("diffusers/") for o in spec.options)  # a snapshot's PE is the loader's own
+    snapshot = "diffusers/ERNIE-Image-Turbo-tiny"
+    before = ErnieImageLoader.execute(snapshot).result[3]
+    chosen = ErnieImageLoader.execute(snapshot, prompt_enhancer=listed["gguf"]).result[3]
+    twin = ErnieImageLoader.execute(snapshot, prompt_enhancer=listed["twin"]).result[3]
+    assert before.identity != chosen.identity and FIXTURE.name in chosen.identity
+    texts = [[c.text for c in pe.enhance(PROMPTS, GREEDY)] for pe in (chosen, twin)]
+    assert all(texts[0]) and texts[0] == texts[1]
+    with pytest.raises(EnhancerError, match=r"pe_weight_dtype fp8_e4m3fn stores the prompt enhancer's layers in fp8, "
+                       r"but .*\.gguf is a GGUF file, quantized already"):
+        ErnieImageLoader.execute(snapshot, pe_weight_dtype="fp8_e4m3fn", prompt_enhancer=listed["gguf"])
+    graph = {"1": {"class_type": "ErnieImageLoader", "inputs": {"model_name": snapshot,
+                                                                 "prompt_enhancer": listed["gguf"]}},
+             "2": {"class_type": "ErnieImagePromptEnhance", "inputs": {"pe": ["1", 3]}}}
+    assert planning.wanted(graph).pe[0].name == FIXTURE.name
+
+
 def test_the_gguf_pe_enhances_after_moves_and_after_free():
     """Loaded on first use, inside the enhance node (inference mode); moved as in ``test_inference_mode_moves``."""
     from test_inference_mode_moves import CopyingMoves, free_models

@@ -175,6 +175,7 @@ class InterruptingRuntime(ComfyRuntime):
     generation moves it by fractions as tokens come), and counts the stop checks after."""
 
     def __init__(self):
+        super().__init__()
         self.checks_after_interrupt = 0
 
     def progress(self, total: int):

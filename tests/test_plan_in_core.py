@@ -48,6 +48,7 @@ def card(monkeypatch):
         monkeypatch.setattr(planning, "costs_here", lambda device: costs())
         monkeypatch.setenv(planning.STREAM_TEXT_ENCODER_ENV, "on")
         planning._made.clear()
+        planning._unmeasured.clear()
 
     return answer
 
@@ -286,7 +287,8 @@ def test_a_strangers_graph_with_values_of_any_json_type_is_read_without_error(co
     odd = [{"a": 1}, [1], 5, None, 1e300, True]
     prompt = {str(i): {"class_type": kind, "inputs": {name: value for name in names}}
               for i, (kind, names) in enumerate([
-                  ("ErnieImageLoader", ("model_name", "quantization", "text_encoder", "text_encoder_device")),
+                  ("ErnieImageLoader", ("model_name", "quantization", "text_encoder", "text_encoder_device",
+                                        "prompt_enhancer")),
                   ("ErnieImageDiTLoader", ("model_name", "quantization", "weight_dtype")),
                   ("ErnieImageTextEncoderLoader", ("model_name", "device", "weight_dtype")),
                   ("ErnieImagePELoader", ("model_name", "device")), ("VAELoader", ("vae_name",)),
@@ -331,12 +333,15 @@ def test_an_explicit_weight_dtype_under_quantization_auto_is_kept_on_a_faked_24g
 def test_a_probe_that_cannot_measure_leaves_placement_to_core_and_says_so_injected_fault(card, true_size_files,
                                                                                           monkeypatch, caplog):
     """The probe failing on a GPU (injected: none is known) must not stop the prompt: no plan, and one warning that
-    names what failed."""
+    names what failed. The probe is not run again at the next plan request (each loader and encode node asks, and a
+    probe takes up to 15 s)."""
     from comfyui_ernie_image.nodes import planning
 
     card(10)
+    probes = []
 
     def failing(device):
+        probes.append(device)
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(planning, "costs_here", failing)
@@ -346,4 +351,85 @@ def test_a_probe_that_cannot_measure_leaves_placement_to_core_and_says_so_inject
         assert planning.make_plan(_gguf_graph()) is None
     said = [r.getMessage() for r in caplog.records if "could not be measured" in r.getMessage()]
     assert said == ["ERNIE-Image: the costs of this GPU could not be measured (RuntimeError: CUDA error: an illegal "
-                    "memory access was encountered): models are placed as ComfyUI places them (no memory plan)"]
+                    "memory access was encountered): models are placed as ComfyUI places them (no memory plan; "
+                    "measured again when ComfyUI restarts)"]
+    assert len(probes) == 1
+
+
+def test_a_text_encoder_the_plan_put_on_the_cpu_comes_back_to_the_gpu_in_the_plans_new_form_on_faked_cards(
+        card, true_size_files, tiny_models, monkeypatch, caplog):
+    """A card with little free (5 GiB: a display and other programs hold the rest) puts the text encoder on the CPU
+    as stored; when the card frees up (12 GiB) the next prompt's plan holds it on the GPU in fp8. ComfyUI does not
+    run the loader again (its inputs are the same), so the encode node moves it and reads it again in the new form.
+    Before, an encoder the plan had put on the CPU stayed there until the loader ran again. (Tiny weights under a
+    plan made for the true-size files: the cards' sizes are faked.)"""
+    from comfyui_ernie_image.nodes import planning
+    from comfyui_ernie_image.nodes.plan import session
+    from comfyui_ernie_image.nodes.plan.records import CPU, RESIDENT, TEXT_ENCODER
+    from comfyui_ernie_image.nodes.text.encoder import ErnieTextEncoder
+    from comfyui_ernie_image.nodes.text.nodes import TEXT_ENCODER_MODELS, ErnieImageTextEncode, load_text_encoder
+
+    session.register(planning.make_plan)
+    card(5)
+    monkeypatch.delenv(planning.STREAM_TEXT_ENCODER_ENV)  # the places core has always had: resident, per prompt, CPU
+    graph = _gguf_graph()
+    assert (session.plan_for(graph).of(TEXT_ENCODER).place, session.place(TEXT_ENCODER)) == (CPU, CPU)
+    tiny = TEXT_ENCODER_MODELS.resolve("text_encoders/" + tiny_models["text_encoder_file"].name)
+    te = load_text_encoder(tiny, "auto", "auto")
+    assert te.follows_plan and te.on_host and not te.fp8
+
+    card(12)
+    monkeypatch.delenv(planning.STREAM_TEXT_ENCODER_ENV)
+    placement = session.plan_for(graph).of(TEXT_ENCODER)
+    assert (placement.place, placement.form.setting) == (RESIDENT, "fp8_e4m3fn")
+    with caplog.at_level(logging.INFO), torch.inference_mode():
+        encoded = ErnieImageTextEncode.execute(te, "a red cat").result[0][0][0]
+    assert te.fp8 and not te.on_host and not te.streamed
+    assert te.patcher.load_device == te.devices[0]  # the GPU's device (the CPU here: its size alone is faked)
+    assert any("reading it again" in r.getMessage() for r in caplog.records)
+    fp8 = ErnieTextEncoder.from_single_file(tiny.path, te.encoder.language_model.dtype, fp8=True)
+    assert torch.equal(encoded[0], fp8.encode("a red cat", torch.device("cpu")).to(encoded.dtype))
+
+
+def test_a_prompt_enhancer_the_plan_put_on_the_cpu_runs_on_the_gpu_when_the_card_frees_up_on_faked_cards(
+        card, true_size_files, tiny_models, placed, tmp_path, monkeypatch, caplog):
+    """As the text encoder above, the PE (device and weight_dtype ``auto``): on the CPU as stored at 5 GiB, on the GPU
+    in fp8 at 12 GiB; the enhance node moves it without its loader running again. Before, it stayed on the CPU."""
+    import folder_paths
+    from test_pe_nodes import enhance_inputs
+
+    from comfyui_ernie_image.nodes import planning
+    from comfyui_ernie_image.nodes.pe.nodes import ErnieImagePELoader, ErnieImagePromptEnhance, result_cache
+    from comfyui_ernie_image.nodes.plan import session
+    from comfyui_ernie_image.nodes.plan.records import CPU, PROMPT_ENHANCER, RESIDENT
+    from helpers.plan_files import sparse_text_encoder
+
+    monkeypatch.setattr(folder_paths, "user_directory", str(tmp_path))  # the PE's result cache
+    result_cache.cache_clear()
+    pe_file = "plan-10gb/ernie-image-prompt-enhancer.safetensors"
+    sparse_text_encoder(placed("text_encoders", pe_file))  # a random PE is the text encoder's shape, tied
+    graph = _gguf_graph()
+    graph["pe"] = {"class_type": "ErnieImagePELoader", "inputs": {"model_name": f"text_encoders/{pe_file}"}}
+    graph["enhance"] = {"class_type": "ErnieImagePromptEnhance", "inputs": {"pe": ["pe", 0], "max_new_tokens": 64}}
+    session.register(planning.make_plan)
+    card(5)
+    monkeypatch.delenv(planning.STREAM_TEXT_ENCODER_ENV)
+    assert session.plan_for(graph).of(PROMPT_ENHANCER).place == CPU
+    tiny = placed("text_encoders", "tiny/ernie-image-prompt-enhancer.safetensors")
+    tiny.write_bytes(tiny_models["pe_single_file"].read_bytes())
+    (pe,) = ErnieImagePELoader.execute("text_encoders/tiny/ernie-image-prompt-enhancer.safetensors").result
+    assert pe.device_name == "cpu" and not pe.fp8
+    with torch.inference_mode():
+        ErnieImagePromptEnhance.execute(**enhance_inputs(["a cat"], pe, cache="off"))  # loaded on the CPU
+    before = next(pe._model.parameters())
+
+    card(12)
+    monkeypatch.delenv(planning.STREAM_TEXT_ENCODER_ENV)
+    placement = session.plan_for(graph).of(PROMPT_ENHANCER)
+    assert (placement.place, placement.form.setting) == (RESIDENT, "fp8_e4m3fn")
+    with caplog.at_level(logging.INFO), torch.inference_mode():
+        (texts,) = ErnieImagePromptEnhance.execute(**enhance_inputs(["a cat"], pe, cache="off")).result
+    assert pe.device_name == "default" and pe.fp8 and pe.loaded and texts[0]
+    assert next(pe._model.parameters()) is not before  # read again in the plan's form
+    assert any("runs the prompt enhancer on default in fp8" in r.getMessage() for r in caplog.records)
+    result_cache.cache_clear()

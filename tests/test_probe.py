@@ -192,6 +192,7 @@ def test_no_costs_where_there_is_no_cuda_gpu(user_dir, measured):
     ("something else", "unknown"),
 ])
 def test_without_nvml_the_driver_version_is_read_from_the_kernel_modules_file(tmp_path, line, version):
+    probe.driver_version.cache_clear()  # read once per process: each case is a new process's first reading
     (tmp_path / "version").write_text(line + "\nGCC version:  gcc version 12.2.0\n")
     assert probe.driver_version(tmp_path / "version") == version
     assert probe.driver_version(tmp_path / "missing") == "unknown"

@@ -311,12 +311,12 @@ def test_every_gguf_type_of_the_dit_encodes_exactly_like_its_twin(tiny_models, t
         torch.testing.assert_close(from_gguf.encode(prompt, CPU), expected, rtol=0, atol=0)
 
 
-def test_the_all_in_one_loader_takes_a_gguf_text_encoder_as_its_last_input(listed):
+def test_the_all_in_one_loader_takes_a_gguf_text_encoder_as_a_new_input_after_the_old_ones(listed):
     from comfyui_ernie_image.nodes.loaders import ErnieImageLoader
 
-    inputs = ErnieImageLoader.define_schema().inputs
-    assert inputs[-1].id == "text_encoder" and inputs[-1].optional and inputs[-1].default == "snapshot"
-    assert listed["gguf"] in inputs[-1].options and listed["pe"] not in inputs[-1].options
+    spec = ErnieImageLoader.define_schema().inputs[-2]  # the PE's file came after it (test_pe_gguf)
+    assert spec.id == "text_encoder" and spec.optional and spec.default == "snapshot"
+    assert listed["gguf"] in spec.options and listed["pe"] not in spec.options
     snapshot = "diffusers/ERNIE-Image-Turbo-tiny"
     before = ErnieImageLoader.execute(snapshot).result[1]  # as a workflow saved before the input runs it
     chosen = ErnieImageLoader.execute(snapshot, text_encoder=listed["gguf"]).result[1]

@@ -10,6 +10,8 @@ coordinator's, measured on the H200).
 
 from __future__ import annotations
 
+import mmap
+
 import comfy.model_management as mm
 import pytest
 import torch
@@ -96,9 +98,30 @@ def test_a_streamed_managed_encoder_in_comfyui_encodes_the_same_and_is_never_loa
             expected = whole.encode(prompt)
             assert torch.equal(streamed.encode(prompt), expected), prompt
             assert held(whole) and not held(streamed)
-        streamed.set_streamed(False)
+        streamed.set_place(streamed=False)
         assert torch.equal(streamed.encode(PROMPTS[0]), expected := whole.encode(PROMPTS[0])) and held(streamed)
-        streamed.set_streamed(True)
+        streamed.set_place(streamed=False, on_host=True)  # the CPU's place: loaded whole before, unloaded first
+        assert not held(streamed) and streamed.patcher.load_device == streamed.patcher.offload_device
+        assert torch.equal(streamed.encode(PROMPTS[0]), expected)
+        streamed.set_place(streamed=True)
         assert not held(streamed)
         assert torch.equal(streamed.encode(PROMPTS[0]), expected) and not held(streamed)
     assert streamed.stream.copied_bytes > 0
+
+
+def test_each_weight_the_stream_pins_has_host_pages_of_its_own_with_cores_pinning_limit_spent(tiny_models,
+                                                                                               monkeypatch):
+    """Core pins a weight by registering the host pages it lies in with CUDA (``cudaHostRegister``); a range that
+    shares a page with one registered before is refused, and 0.3.75 leaves that error for the next kernel to raise
+    (upstream clears it). The weights copied out of the file before pinning were heap allocations, neighbours
+    sharing pages; each now has pages of its own and encodes the same. (Core's pinning runs with its limit spent,
+    ``MAX_PINNED_MEMORY`` 1 byte, so it registers nothing on this CPU.)"""
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 1)
+    file = tiny_models["text_encoder_file"]
+    with torch.inference_mode():
+        streamed = ManagedTextEncoder.from_single_file(file, "default", streamed=True)
+        assert torch.equal(streamed.encode(PROMPTS[0]), ManagedTextEncoder.from_single_file(file).encode(PROMPTS[0]))
+    page, weights = mmap.PAGESIZE, list(streamed.encoder.language_model.layers.parameters())
+    spans = sorted((t.data_ptr() // page, (t.data_ptr() + t.nbytes - 1) // page) for t in weights)
+    assert len(spans) > 2 and all(t.data_ptr() % page == 0 for t in weights)
+    assert all(last < first for (_, last), (first, _) in zip(spans, spans[1:], strict=False)), spans

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ErnieImageError
 from ..host.gguf_layers import GGUFModelPatcher
-from ..host.memory import allocated_memory, make_room_beside, peak_memory
+from ..host.memory import allocated_memory, make_room_beside
 from ..host.model import FLOW, BaseModel, CONDConstant, CONDRegular, Flux2LatentFormat, SupportedModel, model_patcher
 from ..host.oom import sampling_advice
 from ..host.patchers import WholeModelPatcher, dit_patcher_class, out_of_memory
@@ -110,9 +110,10 @@ class ErnieImageDiffusionModel(ErnieImageDiT):
                                           transformer_options, **kwargs)
                 break
             except torch.OutOfMemoryError as error:
-                # A step the memory plan said fits: plan again with what it took, make room, retry once (outside
-                # this block, which holds the failed step's tensors).
-                retry = attempt == 0 and session.out_of_memory(peak_memory(x.device))
+                # A step the memory plan said fits: plan again with what it held when it ran out (its tensors are
+                # alive here, held by the error's traceback; torch's peak statistic is the process's since it
+                # started, other graphs' prompts included), make room, retry once (outside this block).
+                retry = attempt == 0 and session.out_of_memory(allocated_memory(x.device))
                 if not retry:
                     image = (x.shape[-1] * PIXELS_PER_LATENT, x.shape[-2] * PIXELS_PER_LATENT)
                     raise out_of_memory(error, sampling_advice(self, list(x.shape), context.shape[1], x.device,

@@ -110,11 +110,6 @@ def allocated_memory(device: torch.device) -> int:
     return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0
 
 
-def peak_memory(device: torch.device) -> int:
-    """The most torch's allocator has handed out on ``device`` since it last reset its count (0 but on CUDA)."""
-    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
-
-
 def make_room_beside(diffusion_model: torch.nn.Module, device: torch.device) -> None:
     """Unload every model core holds on ``device`` but the one around ``diffusion_model``, and empty torch's cache:
     the room a retried step gets after an out-of-memory error."""

@@ -42,10 +42,12 @@ def placement_fixed(device: torch.device) -> str | None:
 def _loaded_on(device: torch.device) -> int:
     """Bytes the models core has loaded hold on ``device`` (core unloads them when another model needs the room).
     Dynamic models' pages are left out: core's free memory counts them already (``ModelPatcher.get_free_memory``,
-    model_patcher.py @08d0e510)."""
+    model_patcher.py @08d0e510). So is a model whose patcher is gone (``loaded.model`` is a weak reference: None
+    where another node leaked the model, which core then neither counts nor unloads: ``free_memory`` skips
+    ``is_dead()`` models, model_management.py 0.3.75)."""
     held = 0
     for loaded in mm.current_loaded_models:
-        if loaded.device == device and not is_dynamic(loaded.model):
+        if loaded.model is not None and loaded.device == device and not is_dynamic(loaded.model):
             held += int(loaded.model_loaded_memory())
     return held
 

@@ -17,6 +17,7 @@ on the GPU is one DiT block in one form (436 MB in bf16) with its activations, o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import platform
 import re
@@ -131,9 +132,11 @@ def _gguf(kind: str) -> Callable[[int, int, torch.device], Linear]:
 
 def fp8_matmul_runs(device: torch.device) -> bool:
     """Whether ``device`` has FP8 matmul: on a GPU, as core judges it (sm89 or newer with a torch that has it, or
-    ``--supports-fp8-compute``); on the CPU, where this torch's ``_scaled_mm`` runs there (the tests' device)."""
-    if device.type == "cuda":
-        return comfy.model_management.supports_fp8_compute(device)
+    ``--supports-fp8-compute``), and where this torch's rowwise ``_scaled_mm`` runs there (core's judgement does not
+    ask it, and a probe that raised there would leave no plan at all); on the CPU, where it runs (the tests'
+    device)."""
+    if device.type == "cuda" and not comfy.model_management.supports_fp8_compute(device):
+        return False
     try:
         _fp8_matmul(16, 16, device)(torch.ones(16, 16, dtype=torch.bfloat16, device=device))
     except (RuntimeError, NotImplementedError):
@@ -293,6 +296,7 @@ def measure(device: torch.device | str, shapes: Shapes = TRUE_SHAPES,
     return Costs(machine_key(device), pinned, pageable, seconds, {"text:bf16": cpu_text})
 
 
+@functools.cache  # asked at every plan request; a driver cannot change under a process that holds a CUDA context
 def driver_version(version_file: Path = NVIDIA_VERSION_FILE) -> str:
     """The NVIDIA driver's version: NVML's answer where ``pynvml`` (nvidia-ml-py) imports, else the kernel module's
     own file, else ``unknown`` (torch cannot tell)."""

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import inspect
+import mmap
 
 import comfy.model_management as mm
 import comfy.utils
@@ -31,7 +32,8 @@ def pin_weights(patcher: ModelPatcher, keys: list[str]) -> int:
     one at a time, as ComfyUI-GGUF detaches mapped weights before core pins them (nodes.py @76908c11,
     ``GGUFModelPatcher.pin_weight_to_device``): core registers memory it owns, and a failed registration leaves a
     CUDA error that 0.3.75 does not clear (upstream does: ``discard_cuda_async_error``, model_management.py
-    @02b2b388)."""
+    @02b2b388). The copy takes host pages of its own (``_in_own_pages``), and where core does not clear a failed
+    registration's error, it is cleared here before a kernel of the encode would raise it."""
     pin = getattr(patcher, "pin_weight_to_device", None)
     if pin is None or getattr(mm, "MAX_PINNED_MEMORY", 0) <= 0:
         return 0
@@ -39,9 +41,34 @@ def pin_weights(patcher: ModelPatcher, keys: list[str]) -> int:
     for key in set(keys) - before:
         weight = comfy.utils.get_attr(patcher.model, key)
         with torch.inference_mode(False):
-            weight.data = weight.data.clone()
+            weight.data = _in_own_pages(weight.data)
         pin(key)
+    _clear_registration_error()
     return sum(tensor_bytes(comfy.utils.get_attr(patcher.model, key)) for key in set(patcher.pinned) - before)
+
+
+def _in_own_pages(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` in host pages no other tensor lies in. CUDA registers whole pages, and a range sharing a
+    page with one registered before is refused (``cudaErrorHostMemoryAlreadyRegistered``) unless core's guard sees
+    it (``tensor.is_pinned()`` reads the first byte's page only); plain copies were heap neighbours sharing pages."""
+    page = mmap.PAGESIZE
+    buffer = torch.empty(tensor.nbytes + 2 * page, dtype=torch.uint8)
+    start = -buffer.data_ptr() % page  # the allocator's alignment (64) divides it: any dtype's view fits
+    return buffer[start:start + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+
+
+def _clear_registration_error() -> None:
+    """Take the error a refused ``cudaHostRegister`` leaves behind, as upstream's ``discard_cuda_async_error`` does
+    after each failure (a kernel, which raises it, and a wait), where the core has none (0.3.75): else the next
+    kernel raises it, in the encode."""
+    device = mm.get_torch_device()
+    if hasattr(mm, "discard_cuda_async_error") or device.type != "cuda":
+        return
+    try:
+        torch.ones(1, dtype=torch.uint8, device=device).add_(1)
+        torch.cuda.synchronize(device)
+    except RuntimeError:  # the refused registration's error (torch.AcceleratorError is a RuntimeError)
+        pass
 
 
 def unpin_weights(patcher: ModelPatcher) -> None:

@@ -11,6 +11,7 @@ import torch
 from ..host.memory import load_whole, text_devices, text_model_dtype, torch_device, usable_memory
 from ..host.patchers import ManagedModule, on_detach, text_model_patcher
 from ..host.sampling import Interrupted, interrupted, progress_bar, raise_if_interrupted
+from ..host.streaming import unload
 from ..memory_advice import PROMPT_ENHANCER, PackModel, ministral_choices
 from .runtime import Runtime
 
@@ -28,6 +29,9 @@ class ComfyRuntime(Runtime):
 
     interrupts = (Interrupted,)
 
+    def __init__(self):
+        self._patchers: dict[int, object] = {}  # the patcher of each model this host manages, by the model's id
+
     def device(self, name: str) -> torch.device:
         return torch_device() if name == "default" else torch.device(name)
 
@@ -44,7 +48,14 @@ class ComfyRuntime(Runtime):
         patcher = text_model_patcher(PromptEnhancerModule(model, offload), device, offload, "prompt enhancer",
                                      chosen=True)
         on_detach(patcher, on_unload)
+        self._patchers[id(model)] = patcher
         return lambda memory_required: load_whole(patcher, memory_required)
+
+    def release(self, model: torch.nn.Module) -> None:
+        """ComfyUI unloads ``model`` from its device and forgets it."""
+        patcher = self._patchers.pop(id(model), None)
+        if patcher is not None:
+            unload(patcher)
 
     def free_memory(self, device: torch.device) -> int | None:
         """What ComfyUI counts as free on ``device`` (its driver view plus torch's cached blocks; the CPU's available

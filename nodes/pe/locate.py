@@ -45,11 +45,14 @@ def _text_encoder_pe_path(name: str) -> Path:
                         "models/diffusers")
 
 
+PE_FILES = Source("text_encoders", _text_encoder_pe_names, _text_encoder_pe_path)
 # Snapshots with a pe/, then PE folders or files under text_encoders: both were always listed with their folder.
 PE_MODELS = ModelList((
     Source(SNAPSHOTS.folder, lambda: [n for n in snapshot_names() if _is_pe_folder(snapshot_path(n))], snapshot_path),
-    Source("text_encoders", _text_encoder_pe_names, _text_encoder_pe_path),
+    PE_FILES,
 ))
+# The all-in-one loader's PE instead of its snapshot's: a folder or file under text_encoders (a GGUF for small cards).
+PE_FILE_MODELS = ModelList((PE_FILES,))
 
 
 def pe_choices() -> list[str]:

@@ -13,6 +13,7 @@ from typing import Any
 import folder_paths
 from comfy_api.v0_0_2 import io, ui
 
+from ..choices import FROM_SNAPSHOT
 from ..host.memory import device_options
 from ..inputs import lm_weight_dtype_input, wants_fp8
 from ..model_files import is_gguf
@@ -23,7 +24,7 @@ from ..sockets import ErniePEType
 from .cache import CACHE_MODES, ResultCache, enhance_cached
 from .comfy_runtime import ComfyRuntime
 from .local.enhancer import DTYPES, LocalPromptEnhancer
-from .locate import PE_MODELS, pe_path
+from .locate import PE_FILE_MODELS, PE_MODELS, pe_path
 from .protocol import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_TEMPERATURE,
@@ -75,16 +76,9 @@ class ErnieImagePELoader(io.ComfyNode):
     def execute(cls, model_name: str, device: str = AUTO, dtype: str = "auto",
                 weight_dtype: str = AUTO) -> io.NodeOutput:
         session.plan_for_node(cls)
-        if device == AUTO:
-            device = "cpu" if session.place(PROMPT_ENHANCER) == CPU else "default"
-        path = pe_path(model_name)
-        if is_gguf(path) and wants_fp8(weight_dtype):
-            raise EnhancerError(f"weight_dtype {weight_dtype} stores the prompt enhancer's layers in fp8, but {path} "
-                                "is a GGUF file, quantized already (its layers stay in their GGUF types and are "
-                                "decoded as they run): set weight_dtype to auto or default, or pick the safetensors "
-                                "file.")
-        return io.NodeOutput(LocalPromptEnhancer.from_path(path, device=device, dtype=dtype, runtime=ComfyRuntime(),
-                                                          fp8=planned_fp8(weight_dtype)))
+        follows = device == AUTO and session.place(PROMPT_ENHANCER) is not None
+        return io.NodeOutput(_pe_file(pe_path(model_name), weight_dtype, "weight_dtype", device=_planned_device(device),
+                                      dtype=dtype, follows_plan=follows, form_follows_plan=weight_dtype == AUTO))
 
 
 class ErnieImagePERemote(io.ComfyNode):
@@ -122,10 +116,38 @@ class ErnieImagePERemote(io.ComfyNode):
                                                   runtime=ComfyRuntime()))
 
 
-def snapshot_pe(snapshot: Path, weight_dtype: str = AUTO) -> LocalPromptEnhancer | None:
-    """The PE of a snapshot folder on ComfyUI's host, lazy (the all-in-one loader's); None when it has no ``pe/``.
-    ``weight_dtype``: a value of ``pe_weight_dtype_input``."""
+def _pe_file(path: Path, weight_dtype: str, input_name: str, **options) -> LocalPromptEnhancer:
+    """The PE at ``path`` (a folder, a safetensors or a GGUF file) on ComfyUI's host, lazy; fp8 asked of a GGUF file
+    (its ``input_name``) is refused."""
+    if is_gguf(path) and wants_fp8(weight_dtype):
+        raise EnhancerError(f"{input_name} {weight_dtype} stores the prompt enhancer's layers in fp8, but {path} is a "
+                            "GGUF file, quantized already (its layers stay in their GGUF types and are decoded as "
+                            f"they run): set {input_name} to auto or default, or pick the safetensors file.")
+    return LocalPromptEnhancer.from_path(path, runtime=ComfyRuntime(), fp8=planned_fp8(weight_dtype), **options)
+
+
+def snapshot_pe(snapshot: Path, weight_dtype: str = AUTO, choice: str = FROM_SNAPSHOT) -> LocalPromptEnhancer | None:
+    """The all-in-one loader's PE on ComfyUI's host, lazy: the snapshot's (None when it has no ``pe/``), or the file
+    ``choice`` names (``pe_file_input``). ``weight_dtype``: a value of ``pe_weight_dtype_input``."""
+    if choice != FROM_SNAPSHOT:
+        return _pe_file(PE_FILE_MODELS.resolve(choice).path, weight_dtype, "pe_weight_dtype")
     return LocalPromptEnhancer.from_snapshot(snapshot, runtime=ComfyRuntime(), fp8=planned_fp8(weight_dtype))
+
+
+def pe_file_input(name: str) -> io.Combo.Input:
+    """The all-in-one loader's PE: the snapshot's, or a file of models/text_encoders; optional, last."""
+    return io.Combo.Input(name, options=[FROM_SNAPSHOT, *PE_FILE_MODELS.options()], default=FROM_SNAPSHOT,
+                          optional=True, tooltip="snapshot: the snapshot's pe/ (none where it has none). Or a PE of "
+                          "models/text_encoders: ernie-image-prompt-enhancer.safetensors, a PE folder, or a GGUF of it "
+                          "(llama.cpp's converter; its layers stay 4 to 8 bits and are decoded as they run: for small "
+                          "cards).")
+
+
+def _planned_device(device: str) -> str:
+    """The PE loader's ``device`` with ``auto`` as the plan resolves it (ComfyUI's GPU, or the CPU)."""
+    if device != AUTO:
+        return device
+    return "cpu" if session.place(PROMPT_ENHANCER) == CPU else "default"
 
 
 def planned_fp8(weight_dtype: str) -> bool:
@@ -181,6 +203,7 @@ class ErnieImagePromptEnhance(io.ComfyNode):
                                "nor store."),
             ],
             outputs=[io.String.Output(display_name="prompt", is_output_list=True)],
+            hidden=[io.Hidden.prompt],
         )
 
     @classmethod
@@ -206,6 +229,8 @@ class ErnieImagePromptEnhance(io.ComfyNode):
             if backend is None:
                 raise EnhancerError("No prompt enhancer is connected (or the snapshot has no pe/ folder): connect "
                                     "an ERNIE-Image PE loader or the remote PE, or turn 'enabled' off.")
+            if isinstance(backend, LocalPromptEnhancer) and session.plan_for_node(cls) is not None:
+                backend.follow(_planned_device(AUTO), planned_fp8(AUTO))  # a plan made since its loader ran
             params = SamplingParams(temperature[0], top_p[0], max_new_tokens[0], seed[0])
             mode = cache[0] if cache else "use"
             texts = [c.text for c in enhance_cached(backend, specs, params, result_cache(), mode)]

@@ -38,6 +38,9 @@ class Runtime:
         """Register the weights; returns ``load(memory_required)``, called before each generation."""
         return lambda memory_required: model.to(device)
 
+    def release(self, model: torch.nn.Module) -> None:
+        """The engine drops ``model`` (to read it again for another device or form): nothing holds it here."""
+
     def free_memory(self, device: torch.device) -> int | None:
         """Bytes free for work on ``device`` now (what the PE's batches are sized by); None where unknown, the CPU
         here, and a fixed cap applies."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,59 +38,91 @@ class ManagedTextEncoder(CacheSized):
     whole, and makes room for two layers and the activations only. The encoder is read in the dtype it computes in
     on that device (bf16 on GPUs that compute in it), whichever place it has.
 
-    ``follows_plan``: its device input was ``auto``: each prompt it streams or not as the graph's latest memory plan
-    says (``plan.session``). ``on_host``: it runs on ComfyUI's offload device (the CPU) in the dtype it computes in on
-    the GPU (bf16 holds half of fp32's RAM), as core's choice does where the GPU cannot hold it."""
+    ``on_host``: it runs on ComfyUI's offload device (the CPU) in the dtype it computes in on the GPU (bf16 holds half
+    of fp32's RAM), as core's choice does where the GPU cannot hold it.
+
+    ``follows_plan``: its device input was ``auto``: before each prompt it takes the place the graph's latest memory
+    plan gives it (``set_place``): loaded whole on the GPU, streamed through it, or on the CPU, and back. Its weights
+    are read once, in the GPU's dtype, so a new place moves them and reads nothing again."""
 
     def __init__(self, encoder: ErnieTextEncoder, device: str = "default", streamed: bool = False,
-                 follows_plan: bool = False, on_host: bool = False):
+                 follows_plan: bool = False, on_host: bool = False, fp8: bool = False,
+                 reread: Callable[[bool], ErnieTextEncoder] | None = None):
+        self.follows_plan, self.fp8, self.reread = follows_plan, fp8, reread
+        self.chosen = device != "default"
+        self.devices = text_devices(device)
+        self._hold(encoder, streamed, on_host)
+
+    def _hold(self, encoder: ErnieTextEncoder, streamed: bool, on_host: bool) -> None:
+        gpu, offload = self.devices
         self.encoder = encoder
-        self.follows_plan = follows_plan
-        self.chosen = device != "default" or on_host
-        load, offload = text_devices(device)
-        load = offload if on_host else load
         container = TextEncoderModule(place(encoder.language_model, offload), offload)
-        self.patcher = text_model_patcher(container, offload if streamed else load, offload, "text encoder",
+        self.patcher = text_model_patcher(container, offload if streamed or on_host else gpu, offload, "text encoder",
                                           self.chosen)
-        self.stream = LayerStream(encoder.language_model, load)
-        self.streamed = False
-        self.set_streamed(streamed)
+        self.stream = LayerStream(encoder.language_model, gpu)
+        self.streamed, self.on_host = False, on_host
+        self.set_place(streamed, on_host)
 
     @classmethod
-    def from_snapshot(cls, snapshot: Path, device: str = "default", fp8: bool = False, streamed: bool = False,
-                      follows_plan: bool = False, on_host: bool = False) -> ManagedTextEncoder:
+    def _read(cls, read, path: Path, device: str, fp8: bool, form_follows_plan: bool, **place) -> ManagedTextEncoder:
+        """``read(path, dtype, fp8)`` in the dtype the encoder computes in on its GPU; ``form_follows_plan``: its
+        weight_dtype was ``auto``, so a later plan may ask for the other form (``set_form``)."""
         dtype = text_model_dtype(text_devices(device)[0])
-        return cls(ErnieTextEncoder.from_snapshot(snapshot, dtype, fp8), device, streamed, follows_plan, on_host)
+        reread = functools.partial(read, path, dtype) if form_follows_plan else None
+        return cls(read(path, dtype, fp8), device, fp8=fp8, reread=reread, **place)
 
     @classmethod
-    def from_single_file(cls, path: Path, device: str = "default", fp8: bool = False, streamed: bool = False,
-                         follows_plan: bool = False, on_host: bool = False) -> ManagedTextEncoder:
-        dtype = text_model_dtype(text_devices(device)[0])
-        return cls(ErnieTextEncoder.from_single_file(path, dtype, fp8), device, streamed, follows_plan, on_host)
+    def from_snapshot(cls, snapshot: Path, device: str = "default", fp8: bool = False,
+                      form_follows_plan: bool = False, **place) -> ManagedTextEncoder:
+        """``place``: ``streamed``, ``follows_plan``, ``on_host``."""
+        return cls._read(ErnieTextEncoder.from_snapshot, snapshot, device, fp8, form_follows_plan, **place)
 
     @classmethod
-    def from_gguf(cls, path: Path, device: str = "default", streamed: bool = False, follows_plan: bool = False,
-                  on_host: bool = False) -> ManagedTextEncoder:
+    def from_single_file(cls, path: Path, device: str = "default", fp8: bool = False,
+                         form_follows_plan: bool = False, **place) -> ManagedTextEncoder:
+        return cls._read(ErnieTextEncoder.from_single_file, path, device, fp8, form_follows_plan, **place)
+
+    @classmethod
+    def from_gguf(cls, path: Path, device: str = "default", **place) -> ManagedTextEncoder:
         """A llama.cpp GGUF text encoder: its quantized layers stay in their blocks (no fp8: the file keeps its
-        own types)."""
-        dtype = text_model_dtype(text_devices(device)[0])
-        return cls(ErnieTextEncoder.from_gguf(path, dtype), device, streamed, follows_plan, on_host)
+        own types, its one form)."""
+        return cls._read(lambda p, dtype, fp8: ErnieTextEncoder.from_gguf(p, dtype), path, device, False, False,
+                         **place)
 
-    def set_streamed(self, streamed: bool) -> None:
-        """Stream the encoder through its device from the next prompt on, or load it whole again (the plan may
-        change between prompts)."""
-        if streamed == self.streamed:
+    def set_form(self, fp8: bool) -> None:
+        """Hold the decoder layers in fp8 or not from the next prompt on, read again from the file: the graph's plan
+        changed its form after the loader ran, which ComfyUI does not run again while its inputs stay. A file whose
+        form is not the plan's (a GGUF, an explicit weight_dtype) keeps it."""
+        if self.reread is None or (fp8 == self.fp8 and self.encoder is not None):
             return
-        self.streamed = streamed
+        streamed, on_host = self.streamed, self.on_host
+        unload(self.patcher)
+        unpin_weights(self.patcher)
+        self.encoder = self.patcher = self.stream = None  # the weights held now go before the new ones are read
+        logging.info("ERNIE-Image: the memory plan holds the text encoder %s now: reading it again",
+                     "in fp8" if fp8 else "as stored")
+        self._hold(self.reread(fp8), streamed, on_host)
+        self.fp8 = fp8
+
+    def set_place(self, streamed: bool, on_host: bool = False) -> None:
+        """From the next prompt on, stream the encoder through its GPU (``streamed``), run it on the offload device
+        (``on_host``), or load it whole on the GPU again: the plan may change between prompts."""
+        if (streamed, on_host) == (self.streamed, self.on_host):
+            return
         patcher = self.patcher
+        unload(patcher)  # loaded whole before: its weights go back to the offload device
+        if self.streamed:
+            unpin_weights(patcher)
+        self.streamed, self.on_host = streamed, on_host
         if streamed:
-            unload(patcher)  # loaded whole before: its weights go back to the offload device
             patcher.load_device = patcher.offload_device
             pinned = pin_weights(patcher, self._layer_keys())
             logging.info("ERNIE-Image: the text encoder streams through %s a layer at a time (%.1f MB pinned)",
                          self.stream.device, pinned / 1e6)
+        elif on_host:
+            patcher.load_device = patcher.offload_device
+            logging.info("ERNIE-Image: the text encoder runs on %s", patcher.offload_device)
         else:
-            unpin_weights(patcher)
             patcher.load_device = whole_load_device(patcher.model, self.stream.device, patcher.offload_device,
                                                     "text encoder", self.chosen)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.v0_0_2 import io
 
-from ..choices import SNAPSHOTS, Model, ModelList, files
+from ..choices import FROM_SNAPSHOT, SNAPSHOTS, Model, ModelList, files
 from ..errors import ErnieImageError
 from ..host.memory import device_options
 from ..inputs import lm_weight_dtype_input, wants_fp8
@@ -26,8 +26,7 @@ def _is_single_file(name: str) -> bool:
 # elsewhere). Before the one grammar (``choices``), a snapshot was listed bare.
 TEXT_ENCODER_FILES = files("text_encoders", lambda n: not is_prompt_enhancer_file(n) and _is_single_file(n), gguf=True)
 TEXT_ENCODER_MODELS = ModelList((SNAPSHOTS, TEXT_ENCODER_FILES), legacy="diffusers")
-# The all-in-one loader's text encoder: its snapshot's, or a file (a GGUF for small cards).
-FROM_SNAPSHOT = "snapshot"
+# The all-in-one loader's text encoder files (a GGUF for small cards).
 TEXT_ENCODER_FILE_MODELS = ModelList((TEXT_ENCODER_FILES,))
 
 
@@ -47,10 +46,9 @@ def planned_text_encoder(device: str, weight_dtype: str) -> dict:
     fp8 = wants_fp8(session.form_setting(TEXT_ENCODER, weight_dtype, "default"))
     if device != AUTO:
         return dict(device=device, fp8=fp8)
-    place = session.place(TEXT_ENCODER)
-    if place == CPU:  # on the CPU in the dtype of the GPU (bf16), as core's choice runs it where it cannot fit
-        return dict(fp8=fp8, on_host=True)
-    return dict(fp8=fp8, streamed=place == STREAMED, follows_plan=place is not None)
+    place = session.place(TEXT_ENCODER)  # the CPU's place: in the GPU's dtype (bf16), as core runs it there
+    return dict(fp8=fp8, streamed=place == STREAMED, on_host=place == CPU, follows_plan=place is not None,
+                form_follows_plan=place is not None and weight_dtype == AUTO)
 
 
 def load_text_encoder(model: Model, device: str, weight_dtype: str) -> ManagedTextEncoder:
@@ -67,7 +65,8 @@ def load_text_encoder(model: Model, device: str, weight_dtype: str) -> ManagedTe
                               f"{model.path} is a GGUF file, quantized already (its layers stay in their GGUF types "
                               "and are decoded as they run): set weight_dtype to auto or default, or pick the "
                               "safetensors file.")
-    return ManagedTextEncoder.from_gguf(model.path, **{k: v for k, v in chosen.items() if k != "fp8"})
+    return ManagedTextEncoder.from_gguf(model.path, **{k: v for k, v in chosen.items()
+                                                       if k not in ("fp8", "form_follows_plan")})
 
 
 def text_encoder_file_input(name: str) -> io.Combo.Input:
@@ -134,8 +133,10 @@ class ErnieImageTextEncode(io.ComfyNode):
     def execute(cls, text_encoder: ManagedTextEncoder, text: str) -> io.NodeOutput:
         session.plan_for_node(cls)  # a graph changed since its loaders ran (a LoRA added) is planned anew
         session.prompt_started()
-        if text_encoder.follows_plan and session.place(TEXT_ENCODER) is not None:
-            text_encoder.set_streamed(session.place(TEXT_ENCODER) == STREAMED)
+        place = session.place(TEXT_ENCODER)
+        if text_encoder.follows_plan and place is not None:  # the plan may have changed since its loader ran
+            text_encoder.set_form(wants_fp8(session.form_setting(TEXT_ENCODER, AUTO, "default")))
+            text_encoder.set_place(streamed=place == STREAMED, on_host=place == CPU)
         return io.NodeOutput([[text_encoder.encode(text), {}]])
 
 

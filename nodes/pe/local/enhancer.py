@@ -48,7 +48,9 @@ class LocalPromptEnhancer(CacheSized):
     ``device``: ``"default"`` or a torch device name; ``dtype``: ``"auto"`` (the host's choice, ``Runtime.dtype``) or
     a key of ``DTYPES``; ``decode``: one of ``DECODE_MODES`` (``"auto"``: the compiled static-cache path on CUDA, plain
     ``generate`` elsewhere); ``runtime``: the host (plain torch when None); ``fp8``: the decoder layers' linears held
-    in fp8 (half their memory; the LM head and embeddings stay in ``dtype``, which they all compute in).
+    in fp8 (half their memory; the LM head and embeddings stay in ``dtype``, which they all compute in);
+    ``follows_plan``: its device and, where ``form_follows_plan``, ``fp8`` were the memory plan's (``auto``) and follow
+    later plans (``follow``).
     """
 
     def __init__(
@@ -59,12 +61,15 @@ class LocalPromptEnhancer(CacheSized):
         decode: str = "auto",
         runtime: Runtime | None = None,
         fp8: bool = False,
+        follows_plan: bool = False,
+        form_follows_plan: bool = False,
     ):
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
         self.source, self.device_name, self.dtype_name, self.decode, self.fp8 = source, device, dtype, decode, fp8
+        self.follows_plan, self.form_follows_plan = follows_plan, form_follows_plan
         self.runtime = runtime or Runtime()
         self._model = self._tokenizer = self._load = None
         self._decoder: Decoder | None = None  # set with the model
@@ -123,6 +128,22 @@ class LocalPromptEnhancer(CacheSized):
         self._decoder = PlainDecoder(model) if mode == "generate" else StaticDecoder(model, mode == "static-compiled")
         self._load = self.runtime.manage(model, device, on_unload=self._release_caches)
         self._model, self._tokenizer, self._device = model, tokenizer, device
+
+    def follow(self, device: str, fp8: bool) -> None:
+        """Run on ``device`` (``default`` or ``cpu``) with the decoder layers in fp8 or not from the next enhance on,
+        where the handle follows the plan (``follows_plan``; the form too where ``form_follows_plan``): the graph's plan
+        may change after its loader ran, which ComfyUI does not run again while its inputs stay. Weights loaded for
+        another device or form are dropped and read again when next needed."""
+        fp8 = fp8 if self.form_follows_plan else self.fp8
+        if not self.follows_plan or (device, fp8) == (self.device_name, self.fp8):
+            return
+        if self._model is not None:
+            self.runtime.release(self._model)
+            self._release_caches()
+            self._model = self._tokenizer = self._load = self._decoder = None
+        logging.info("ERNIE-Image PE: the memory plan runs the prompt enhancer on %s%s now", device,
+                     " in fp8" if fp8 else "")
+        self.device_name, self.fp8 = device, fp8
 
     def _release_caches(self) -> None:
         self._decoder.release()
