@@ -31,6 +31,8 @@ SCALES = {"Q8_0": (0,), "Q5_1": (0, 2), "Q5_0": (0,), "Q4_1": (0, 2), "Q4_0": (0
           "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 SPAN = {"Q2_K": 3 * 15, "Q3_K": 32 * 4, "Q4_K": 63 * 15, "Q5_K": 63 * 31, "Q6_K": 127 * 32, "IQ4_NL": 127,
         "IQ4_XS": 32 * 127}
+# The same for the types the package quantizes: written as random blocks only for weights without values (meta).
+QUANTIZER_SPAN = {"Q8_0": 127, "Q5_1": 31, "Q5_0": 16, "Q4_1": 15, "Q4_0": 8}
 ORIG_SHAPE = "comfy.gguf.orig_shape."
 # The types the writer takes as numpy numbers; the others it takes as GGML bytes.
 NUMPY = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16)}
@@ -50,7 +52,7 @@ def random_blocks(kind: str, count: int, rng: np.random.Generator) -> np.ndarray
     # The generator's raw 64-bit words seen as bytes: three times as fast as drawing bytes, for gigabytes of them.
     blocks = rng.bit_generator.random_raw(-(-n * size // 8)).view(np.uint8)[:n * size].reshape(n, size)
     for offset in SCALES[kind]:
-        scale = rng.uniform(-0.15, 0.15, (n, 1)) / SPAN[kind]
+        scale = rng.uniform(-0.15, 0.15, (n, 1)) / {**SPAN, **QUANTIZER_SPAN}[kind]
         blocks[:, offset:offset + 2] = scale.astype(np.float16).view(np.uint8)
     return blocks
 
@@ -81,8 +83,10 @@ def stored_shape(kind: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], bo
 
 def encode(kind: str, value: torch.Tensor, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     """The data GGUFWriter takes for ``value`` stored as ``kind`` with the values' ``shape`` (``stored_shape``): its
-    numbers, quantized, or random blocks for a K-quant or IQ4 (``value`` is then not read: it may be on any device)."""
-    if kind in SPAN:
+    numbers, quantized, or random blocks for a K-quant or IQ4 (``value`` is then not read: it may be on any device), and
+    for any quantized type where ``value`` is on the meta device (a weight without values: a true-size file whose
+    values do not matter, written in seconds)."""
+    if kind in SPAN or (value.is_meta and kind in QUANTIZER_SPAN):
         return random_blocks(kind, math.prod(shape), rng).reshape(*shape[:-1], -1)
     array = value.detach().float().cpu().numpy().reshape(shape)
     if kind in NUMPY:

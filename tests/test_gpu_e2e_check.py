@@ -254,3 +254,34 @@ def test_the_sweep_table_from_recorded_rows(tmp_path):
     assert merged[:5] == lines[:5] and merged[6:] == lines[6:]  # card12's stopped process is gone with its rows
     assert merged[5].split(" | ")[:6] == ["| 12 (10.9 usable)", gguf, lines[4].split(" | ")[2], "2.00", "1.20",
                                           "**0.60**"]
+
+
+def test_the_gguf_text_encoder_twins_read_the_files_the_check_writes_for_them_alone(tmp_path):
+    """Issue 44's twins: the GGUF workflow (its Q4_K_M DiT) with the text encoder loader naming llama.cpp's Q4_K_M
+    or Q8_0 text encoder; the models folder gets those files only when such a twin runs, and the pack's loader reads
+    them (tiny: the tiny text encoder's weights, its tokenizer grown to the model's vocabulary)."""
+    from checks.gpu.e2e_models import GGUF_TEXT_ENCODERS, write_gguf_text_encoders
+    from checks.gpu.gpu_e2e import parse_args, twin_files, twin_path
+    from comfyui_ernie_image.nodes.text.encoder import ErnieTextEncoder
+
+    twins = {"ernie_image_gguf_te_q4": "Q4_K_M", "ernie_image_gguf_te_q8": "Q8_0"}
+    args = parse_args(["--workflows", ",".join(["ernie_image_turbo", *twins]), "--work", str(tmp_path)])
+    for twin, file_type in twins.items():
+        graph = json.loads(twin_path(args, twin).read_text())
+        assert graph["te"]["class_type"] == "ErnieImageTextEncoderLoader"
+        assert graph["te"]["inputs"]["model_name"] == f"text_encoders/ernie-image-text-encoder-{file_type}.gguf"
+        assert graph["dit"]["inputs"]["model_name"] == "diffusion_models/ernie-image-turbo-Q4_K_M.gguf"
+        assert graph["positive"]["inputs"]["text_encoder"] == ["te", 0]
+    names = twin_files(args)
+    assert names == sorted(GGUF_TEXT_ENCODERS) and {GGUF_TEXT_ENCODERS[n] for n in names} == set(twins.values())
+    others = parse_args(["--workflows", "ernie_image_turbo_gguf,ernie_image_gguf,ernie_image_pe_local,no_such_twin",
+                         "--work", str(tmp_path)])
+    assert twin_files(others) == []
+    models = tmp_path / "models"
+    write_gguf_text_encoders(models, names, true_size=False)
+    for name in names:
+        encoder = ErnieTextEncoder.from_gguf(models / name, torch.float32)
+        assert gguf.GGUFReader(str(models / name)).fields["general.file_type"].contents() == (
+            15 if "Q4_K_M" in name else 7)  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M, _Q8_0
+        embedding = encoder.encode("A cozy reading nook", torch.device("cpu"))
+        assert torch.isfinite(embedding).all() and embedding.abs().max() > 0

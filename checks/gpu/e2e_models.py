@@ -18,7 +18,12 @@ A ComfyUI ``models`` folder for the GPU end-to-end check (``gpu_e2e.py``):
 - ``diffusion_models/ernie-image-turbo-Q3_K_M.gguf``: the same with a Q3_K_M-like mix (most layers Q3_K, the
   value and down projections Q4_K; about 4 GB at true size), for the 8 GB card's smaller option;
 - ``loras/ernie-image-turbo-lora.safetensors``: a LoRA on every block linear layer (rank 64; 4 for tiny models) in
-  the diffusers PEFT layout, the name the LoRA workflow picks.
+  the diffusers PEFT layout, the name the LoRA workflow picks;
+- on demand, only when a twin that reads them runs (``--gguf-text-encoders``, which ``gpu_e2e.py`` passes):
+  ``text_encoders/ernie-image-text-encoder-Q4_K_M.gguf`` and ``-Q8_0.gguf``, the text encoder as llama.cpp's Q4_K_M
+  and Q8_0 files (``scripts/ministral_gguf_writer.py``: its names, metadata and mix; the single file's tokenizer
+  grown to the vocabulary, so a prompt has the same ids with both). At true size their weights are random valid
+  blocks (2.1 and 3.6 GB); tiny, the tiny text encoder's weights quantized.
 
 ``true_size=True`` builds the released sizes on the GPU (an 8B DiT and two 3.4B Ministral 3 models, bf16,
 normal(0, 0.02) weights, about 42 GB on disk with the GGUF); otherwise the tiny models of ``scripts/tiny_models.py``
@@ -38,6 +43,7 @@ import torch
 
 from bench.common import write_lora
 from scripts.gguf_writer import mixed_kind, q3_mixed_kind, write_gguf
+from scripts.ministral_gguf_writer import write_from_model, write_true_size
 from scripts.tiny_models import (
     PE_CHAT_TEMPLATE,
     make_pipeline,
@@ -52,6 +58,10 @@ TRUE_MINISTRAL = dict(vocab_size=131072, hidden_size=3072, intermediate_size=921
                       bos_token_id=1, eos_token_id=2, pad_token_id=3)
 GGUF_DIT = "diffusion_models/ernie-image-turbo-Q4_K_M.gguf"
 GGUF_Q3_DIT = "diffusion_models/ernie-image-turbo-Q3_K_M.gguf"
+# The GGUF text encoders (name: llama.cpp's file type), written only when a twin reads them.
+GGUF_TEXT_ENCODERS = {"text_encoders/ernie-image-text-encoder-Q4_K_M.gguf": "Q4_K_M",
+                      "text_encoders/ernie-image-text-encoder-Q8_0.gguf": "Q8_0"}
+GGUF_NAME = "ERNIE-Image text encoder"  # general.name: not one of Mistral's own releases, which the pack refuses
 _DONE = ".complete"  # written last: a folder without it was interrupted and is written again
 
 
@@ -156,14 +166,33 @@ def write_models(models_dir: Path, true_size: bool) -> Path:
     return models_dir
 
 
+def write_gguf_text_encoders(models_dir: Path, names: list[str], true_size: bool) -> None:
+    """The ``GGUF_TEXT_ENCODERS`` files ``names`` not written yet: true size from random blocks (on the CPU, seconds:
+    no model is built), tiny from the tiny text encoder's weights."""
+    missing = [name for name in names if not (models_dir / name).is_file()]
+    pipe = None if true_size or not missing else make_pipeline()
+    for name in missing:
+        start, path = time.perf_counter(), models_dir / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if true_size:
+            write_true_size(path, TRUE_MINISTRAL, GGUF_TEXT_ENCODERS[name], GGUF_NAME)
+        else:
+            write_from_model(path, pipe.text_encoder.language_model, GGUF_TEXT_ENCODERS[name], pipe.tokenizer,
+                             GGUF_NAME)
+        print(f"{name}: {path.stat().st_size / 1e6:,.1f} MB in {time.perf_counter() - start:.1f} s", flush=True)
+
+
 def main() -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models_dir", type=Path)
     parser.add_argument("--true-size", action="store_true", help="the released sizes, on the GPU")
+    parser.add_argument("--gguf-text-encoders", default="", help="comma-separated names of GGUF_TEXT_ENCODERS to "
+                        "write too (once)")
     args = parser.parse_args()
     write_models(args.models_dir, args.true_size)
+    write_gguf_text_encoders(args.models_dir, [n for n in args.gguf_text_encoders.split(",") if n], args.true_size)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,11 @@
     python checks/gpu/gpu_e2e.py --modes card16 --fresh-process --copies  # per recipe: its own process, bytes moved
     python checks/gpu/gpu_e2e.py --modes card16 --fresh-process --cold-disk  # each process after a cold disk
     python checks/gpu/gpu_e2e.py --cards 6.5,10,11.2 --copies --workflows ernie_image_turbo_gguf  # the sweep table
+    python checks/gpu/gpu_e2e.py --cards 10,12,8 --copies --workflows ernie_image_gguf_te_q4,ernie_image_gguf_te_q8
 
-Writes true-size random-weight models in the real layouts once (``e2e_models.py``; about 42 GB under ``--work``),
+Writes true-size random-weight models in the real layouts once (``e2e_models.py``; about 42 GB under ``--work``, and
+the GGUF text encoders, 2.1 and 3.6 GB, only when a twin that reads them runs: ``ernie_image_gguf_te_q4`` and
+``ernie_image_gguf_te_q8``, the GGUF workflow with llama.cpp's Q4_K_M and Q8_0 text encoder),
 then runs one ComfyUI process per mode (``e2e_worker.py``), each running the API twins of ``tests/workflows/`` that
 ComfyUI 0.3.75 can run (the native-ERNIE twin needs ComfyUI >= 0.19; the remote-PE twin needs a server: both are
 listed as not run). Prints a table (result or error, first-run and warm seconds, whole-run peak GPU memory, the
@@ -46,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -87,6 +91,12 @@ DERIVED = {
     "ernie_image_base_gguf": ("ernie_image_turbo_gguf", {
         "positive": "ernie_image_base", "negative": "ernie_image_base", "sigmas": "ernie_image_base",
         "sampler": {"cfg": 4.0}}),
+    # 10 and 12 GB (issue 44): the GGUF workflow with llama.cpp's Q4_K_M and Q8_0 text encoder (e2e_models.py writes
+    # them only for these twins), its device and weight storage auto: the plan places it.
+    "ernie_image_gguf_te_q4": ("ernie_image_turbo_gguf", {"te": {
+        "model_name": "text_encoders/ernie-image-text-encoder-Q4_K_M.gguf"}}),
+    "ernie_image_gguf_te_q8": ("ernie_image_turbo_gguf", {"te": {
+        "model_name": "text_encoders/ernie-image-text-encoder-Q8_0.gguf"}}),
     # 16 and 24 GB: the PE workflow with the low-VRAM loader's settings and the PE in fp8 too.
     "ernie_image_pe_low_vram": ("ernie_image_pe_local", {"loader": {
         "quantization": "auto", "text_encoder_device": "default", "text_encoder_weight_dtype": "fp8_e4m3fn",
@@ -142,13 +152,15 @@ def card_sizes(text: str) -> list[float]:
                                          f"larger than {CUDA_CONTEXT_GIB}; got {text[:80]!r}: {error}") from None
 
 
-def prepare(work: Path, true_size: bool) -> Path:
-    """The models folder, written once (in a process of its own: the GPU memory goes back when it ends)."""
+def prepare(work: Path, true_size: bool, gguf_text_encoders: Sequence[str] = ()) -> Path:
+    """The models folder, written once (in a process of its own: the GPU memory goes back when it ends), with the
+    GGUF text encoders ``gguf_text_encoders`` (``twin_files``)."""
     models = work / "models"
     start = time.perf_counter()
     # A module of the repository (it builds on scripts.tiny_models and bench.common), so run from its root.
     subprocess.run([sys.executable, "-m", "checks.gpu.e2e_models", str(models),
-                    *(["--true-size"] if true_size else [])], check=True, cwd=REPO)
+                    *(["--true-size"] if true_size else []), "--gguf-text-encoders", ",".join(gguf_text_encoders)],
+                   check=True, cwd=REPO)
     print(f"models ready in {time.perf_counter() - start:.0f} s: {models}", flush=True)
     return models
 
@@ -218,6 +230,17 @@ def twin_path(args, name: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(graph, indent=2))
     return path
+
+
+def twin_files(args, suffix: str = ".gguf", folder: str = "text_encoders/") -> list[str]:
+    """The files under ``folder`` with ``suffix`` that the twins to run name (the GGUF text encoders the models
+    folder gets only for them; a twin that does not exist is the worker's to report)."""
+    known = [name for name in args.workflows
+             if name in DERIVED or (args.pack / "tests" / "workflows" / f"{name}.json").is_file()]
+    names = [value for name in known for node in json.loads(twin_path(args, name).read_text()).values()
+             for value in node["inputs"].values()
+             if isinstance(value, str) and value.startswith(folder) and value.endswith(suffix)]
+    return sorted(set(names))
 
 
 def run_mode(mode: str, args, models: Path, deadline: float) -> list[dict]:
@@ -429,7 +452,7 @@ def main() -> None:
     modes = args.modes
     deadline = time.time() + args.deadline_s
     args.out.mkdir(parents=True, exist_ok=True)
-    models = prepare(args.work, true_size=not args.tiny)
+    models = prepare(args.work, true_size=not args.tiny, gguf_text_encoders=twin_files(args))
     with ThreadPoolExecutor(args.parallel) as pool:
         rows = [row for mode_rows in pool.map(lambda mode: run_mode(mode, args, models, deadline), modes)
                 for row in mode_rows]
