@@ -180,6 +180,26 @@ def start_comfyui(comfy_dir: Path, base_dir: Path, flags: list[str], card_gib: f
     return execution, nodes
 
 
+def classic_vae(sd_module) -> None:
+    """Core's VAE on core's classic patcher, as the fork gives a VAE it must not offload (``disable_offload``: ``mp =
+    ModelPatcher``, comfy/sd.py of the 0.12.1 fork): the experiment issue 43 asks for, whether the fork's decode gets
+    past its dynamic patcher's defects so (``--vae-patcher classic``; a check option, not the pack's behaviour)."""
+    from comfy.model_patcher import ModelPatcher
+
+    made = sd_module.VAE.__init__
+
+    def __init__(self, *args, **kwargs):
+        dynamic = sd_module.get_model_patcher_class
+        sd_module.get_model_patcher_class = lambda: ModelPatcher
+        try:
+            made(self, *args, **kwargs)
+        finally:
+            sd_module.get_model_patcher_class = dynamic
+
+    sd_module.VAE.__init__ = __init__
+    logging.info("the check puts core's VAE on the classic patcher (--vae-patcher classic)")
+
+
 def start_fork(src: Path, base_dir: Path, flags: list[str], card_gib: float | None):
     """Import the fork as its ``comfyui`` command starts (``comfy.cmd.main:entrypoint``), with ``flags``; returns
     its ``comfy.cmd.execution`` module and its nodes (``ExportedNodes``).
@@ -629,11 +649,15 @@ def main() -> None:
                         "profiler: the bytes copied host <-> GPU (its time is not a warm time)")
     parser.add_argument("--allocations", action="store_true", help="one more warm run per workflow under torch's "
                         "memory history: what was allocated at its peak, by the line that allocated it")
+    parser.add_argument("--vae-patcher", choices=("core", "classic"), default="core",
+                        help="classic: core's VAE on the classic patcher (the fork only: classic_vae)")
     options = parser.parse_args()
     host = HostMemoryPeaks()  # from the start: reading the models is where a host-RAM peak may be
     core = detect_core(options.comfyui) if options.core == "auto" else options.core
     if core == "fork":  # the fork sets up logging itself (main_pre), to stderr
         execution, _ = start_fork(options.comfyui, options.base, options.flags.split(), options.card_gib)
+        if options.vae_patcher == "classic":
+            classic_vae(sys.modules["comfy.sd"])
     else:
         logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(name)s: %(message)s")
         execution, _ = start_comfyui(options.comfyui, options.base, options.flags.split(), options.card_gib)

@@ -283,6 +283,7 @@ def _run_worker(mode: str, args, models: Path, log, deadline: float, workflows: 
     command += ["--base-steps", str(args.base_steps)] if args.base_steps else []
     command += ["--copies"] if args.copies else []
     command += ["--allocations"] if args.allocations else []
+    command += ["--vae-patcher", args.vae_patcher] if args.core == "fork" else []
     if args.cold_disk:
         evicted = evict_page_cache(models)
         print(f"{mode} {','.join(workflows)}: {evicted}", flush=True)
@@ -403,6 +404,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="0.3.75, or the 0.12.1 fork (auto: by --comfyui's layout; 0.3.75 without --comfyui)")
     parser.add_argument("--comfyui", type=Path, help="the core's folder (default: .gpu/comfyui or .cache/comfyui; "
                         "for the fork .gpu-fork/src or $ERNIE_NEWCORE_WORK/src)")
+    parser.add_argument("--vae-patcher", choices=("core", "classic"), default="core",
+                        help="the fork only: classic puts core's VAE on the classic patcher, as the fork does for a "
+                        "VAE it must not offload (does the decode get past the fork's dynamic patcher so?)")
     parser.add_argument("--dynamic-vram", choices=("on", "off"), default="on",
                         help="the fork's --fast dynamic_vram (off: the fork's classic patcher)")
     parser.add_argument("--pe-tokens", type=int, default=64, help="the PE's max_new_tokens (the workflows: 2048)")
