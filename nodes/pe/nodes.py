@@ -229,7 +229,8 @@ class ErnieImagePromptEnhance(io.ComfyNode):
             if backend is None:
                 raise EnhancerError("No prompt enhancer is connected (or the snapshot has no pe/ folder): connect "
                                     "an ERNIE-Image PE loader or the remote PE, or turn 'enabled' off.")
-            if isinstance(backend, LocalPromptEnhancer) and session.plan_for_node(cls) is not None:
+            session.plan_for_node(cls)
+            if isinstance(backend, LocalPromptEnhancer) and session.place(PROMPT_ENHANCER) is not None:
                 backend.follow(_planned_device(AUTO), planned_fp8(AUTO))  # a plan made since its loader ran
             params = SamplingParams(temperature[0], top_p[0], max_new_tokens[0], seed[0])
             mode = cache[0] if cache else "use"
