@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from comfyui_ernie_image.nodes.text.encoder import ErnieTextEncoder
-from comfyui_ernie_image.nodes.text.managed import ManagedTextEncoder
+from comfyui_ernie_image.nodes.text.managed import ENCODINGS_KEPT, ManagedTextEncoder
 from comfyui_ernie_image.nodes.text.streaming import LayerStream
 
 PROMPTS = ["a red cat sits on a blue mat", "", "一只 红色 的 猫"]
@@ -98,15 +98,36 @@ def test_a_streamed_managed_encoder_in_comfyui_encodes_the_same_and_is_never_loa
             expected = whole.encode(prompt)
             assert torch.equal(streamed.encode(prompt), expected), prompt
             assert held(whole) and not held(streamed)
+        streamed.encodings.clear()  # encoded again from here on (a text met again is not: below)
         streamed.set_place(streamed=False)
         assert torch.equal(streamed.encode(PROMPTS[0]), expected := whole.encode(PROMPTS[0])) and held(streamed)
         streamed.set_place(streamed=False, on_host=True)  # the CPU's place: loaded whole before, unloaded first
         assert not held(streamed) and streamed.patcher.load_device == streamed.patcher.offload_device
+        streamed.encodings.clear()
         assert torch.equal(streamed.encode(PROMPTS[0]), expected)
         streamed.set_place(streamed=True)
         assert not held(streamed)
+        streamed.encodings.clear()
         assert torch.equal(streamed.encode(PROMPTS[0]), expected) and not held(streamed)
     assert streamed.stream.copied_bytes > 0
+
+
+def test_a_text_met_again_is_not_encoded_again(tiny_models):
+    """The latest distinct texts' encodings are kept (ComfyUI's cache keeps one text per node): a workflow that
+    alternates prompts pays no second encode, which matters where the plan runs the encoder on the CPU; a new form
+    of the weights encodes anew."""
+    te = ManagedTextEncoder.from_single_file(tiny_models["text_encoder_file"], "default")
+    runs = []
+    te.encoder.language_model.register_forward_hook(lambda *args: runs.append(1))
+    with torch.inference_mode():
+        first = te.encode(PROMPTS[0])
+        te.encode(PROMPTS[2])
+        assert te.encode(PROMPTS[0]) is first and len(runs) == 2
+        for i in range(ENCODINGS_KEPT):
+            te.encode(f"prompt {i}")
+        assert len(runs) == 2 + ENCODINGS_KEPT
+        assert torch.equal(te.encode(PROMPTS[0]), first) and len(runs) == 3 + ENCODINGS_KEPT  # the oldest went first
+        assert len(te.encodings) == ENCODINGS_KEPT
 
 
 def test_each_weight_the_stream_pins_has_host_pages_of_its_own_with_cores_pinning_limit_spent(tiny_models,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import time
@@ -17,6 +18,11 @@ from ..host.streaming import make_room, pin_weights, unload, unpin_weights
 from ..memory_advice import TEXT_ENCODER, PackModel, ministral_choices
 from .encoder import ErnieTextEncoder
 from .streaming import LayerStream
+
+# The encodings of the latest distinct texts (a few MB each): a text met again (a workflow alternating prompts, a queue
+# of variations and their originals) costs no encode, which matters where the plan runs the encoder on the CPU.
+# ComfyUI's own cache keeps one text per encode node.
+ENCODINGS_KEPT = 16
 
 
 class TextEncoderModule(ManagedModule):
@@ -56,6 +62,7 @@ class ManagedTextEncoder(CacheSized):
     def _hold(self, encoder: ErnieTextEncoder, streamed: bool, on_host: bool) -> None:
         gpu, offload = self.devices
         self.encoder = encoder
+        self.encodings: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
         container = TextEncoderModule(place(encoder.language_model, offload), offload)
         self.patcher = text_model_patcher(container, offload if streamed or on_host else gpu, offload, "text encoder",
                                           self.chosen)
@@ -133,13 +140,22 @@ class ManagedTextEncoder(CacheSized):
         return [*self.encoder.language_model.parameters(), *self.encoder.language_model.buffers()]
 
     def encode(self, text: str) -> torch.Tensor:
-        """``[1, T, D]`` embeddings of ``text``, computed where ComfyUI places the text encoder, or streamed."""
+        """``[1, T, D]`` embeddings of ``text``, computed where ComfyUI places the text encoder, or streamed; kept
+        for the latest distinct texts per kind of device (a text met again after a move to another device is
+        encoded there, as a fresh process would)."""
+        key = (text, (self.stream.device if self.streamed else self.patcher.load_device).type)
+        if key in self.encodings:
+            self.encodings.move_to_end(key)
+            return self.encodings[key]
         if self.streamed:
             embedding = self._encode_streamed(text)
         else:
             load_whole(self.patcher)
             embedding = self.encoder.encode(text, self.patcher.load_device)
-        return embedding.unsqueeze(0).to(intermediate_device())
+        self.encodings[key] = embedding = embedding.unsqueeze(0).to(intermediate_device())
+        while len(self.encodings) > ENCODINGS_KEPT:
+            self.encodings.popitem(last=False)
+        return embedding
 
     def _encode_streamed(self, text: str) -> torch.Tensor:
         stream = self.stream
