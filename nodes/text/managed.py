@@ -49,7 +49,8 @@ class ManagedTextEncoder(CacheSized):
 
     ``follows_plan``: its device input was ``auto``: before each prompt it takes the place the graph's latest memory
     plan gives it (``set_place``): loaded whole on the GPU, streamed through it, or on the CPU, and back. Its weights
-    are read once, in the GPU's dtype, so a new place moves them and reads nothing again."""
+    are read in the GPU's dtype whatever the place, so a new place moves them and reads nothing again; a new form
+    (fp8 or as stored, where its weight_dtype was ``auto`` too: ``set_form``) reads them again."""
 
     def __init__(self, encoder: ErnieTextEncoder, device: str = "default", streamed: bool = False,
                  follows_plan: bool = False, on_host: bool = False, fp8: bool = False,
