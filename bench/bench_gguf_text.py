@@ -149,8 +149,14 @@ def measure_text_encoder(path: Path, load: Callable, clock: Clock, repeats: int)
     if device.type == "cuda":
         row["allocated_mb"] = round((clock.allocated() - before) / 1e6, 1)
     row["tokens"] = len(encoder.encoder.token_ids(PROMPT))
-    row["warm_encode_ms"] = round(clock.median(lambda: encoder.encode(PROMPT), repeats) * 1e3, 2)
+    row["warm_encode_ms"] = round(clock.median(lambda: _encoded_anew(encoder), repeats) * 1e3, 2)
     return row
+
+
+def _encoded_anew(encoder) -> None:
+    """The prompt encoded, not taken from the encodings the encoder keeps of the texts it met."""
+    encoder.encodings.clear()
+    encoder.encode(PROMPT)
 
 
 def bench_text_encoders(models: Path, clock: Clock, repeats: int, deadline: float):
