@@ -431,7 +431,7 @@ def test_a_prompt_enhancer_the_plan_put_on_the_cpu_runs_on_the_gpu_when_the_card
         (texts,) = ErnieImagePromptEnhance.execute(**enhance_inputs(["a cat"], pe, cache="off")).result
     assert pe.device_name == "default" and pe.fp8 and pe.loaded and texts[0]
     assert next(pe._model.parameters()) is not before  # read again in the plan's form
-    assert any("runs the prompt enhancer on default in fp8" in r.getMessage() for r in caplog.records)
+    assert any("runs the prompt enhancer on the GPU in fp8" in r.getMessage() for r in caplog.records)
     result_cache.cache_clear()
 
 

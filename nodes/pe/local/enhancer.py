@@ -141,8 +141,8 @@ class LocalPromptEnhancer(CacheSized):
             self.runtime.release(self._model)
             self._release_caches()
             self._model = self._tokenizer = self._load = self._decoder = None
-        logging.info("ERNIE-Image PE: the memory plan runs the prompt enhancer on %s%s now", device,
-                     " in fp8" if fp8 else "")
+        logging.info("ERNIE-Image PE: the memory plan runs the prompt enhancer on %s%s now",
+                     "the CPU" if device == "cpu" else "the GPU", " in fp8" if fp8 else "")
         self.device_name, self.fp8 = device, fp8
 
     def _release_caches(self) -> None:
