@@ -50,10 +50,6 @@ from .quant.capability import FP8_MIN_ARCH, probe
 from .quant.saved import weight_files
 from .text.nodes import TEXT_ENCODER_FILE_MODELS, TEXT_ENCODER_MODELS
 
-# A compiled DiT block against an eager one: a Q4_K_M DiT's warm Turbo prompt took 1.2 s compiled, 2.2 s eager on
-# the H200 (README). The probe times eager layers (compiling takes longer than its budget); blocks core streams stay
-# eager.
-COMPILED = 1.2 / 2.2
 LATENT_1024 = (1, 128, 64, 64)
 # ERNIE_IMAGE_STREAM_TEXT_ENCODER=on lets the plan stream the text encoder through the GPU layer by layer. Off until
 # the GPU check has run it: the device machines were not lent in the session that wrote it (2026-12-04).
@@ -237,8 +233,7 @@ def _dit(want: Wanted, device: torch.device, floor: int) -> LoadRecord:
                       runs=want.steps * want.forwards,
                       working=max(floor, step_estimate(ErnieImageConfig, want.latent, torch.bfloat16)),
                       fixed=None if gguf else fixed,
-                      compute_scale=pixels * (COMPILED if compiles else 1.0),
-                      eager_factor=1 / COMPILED if compiles else 1.0)
+                      compute_scale=pixels, compiles=compiles)
 
 
 def _dit_setting(quantization: str, weight_dtype: str, gguf: bool) -> str | None:

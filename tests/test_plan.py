@@ -188,3 +188,29 @@ def test_a_gguf_text_encoder_is_one_form_of_its_file():
     assert (form.name, form.setting, form.compute) == ("GGUF Q4_K", "default", "text:gguf:Q4_K")
     assert form.weight_bytes == sum(t.stored for t in tensors) and form.block_bytes * 26 < form.weight_bytes
     assert record.fixed_form is None
+
+
+def test_compiled_forms_are_priced_at_what_compiling_measured_so_a_larger_card_never_picks_a_slower_dit():
+    """The H200 run of 2026-12-05 (bench/RESULTS.md): the probe's eager forwards, dit:bf16 0.143 s and FP8 matmul
+    0.156 s, against the compiled warm sampler, bf16 1.0 s and FP8 0.7 s for 8 steps. With one compile factor for
+    every form (GGUF's, 1.2 / 2.2) the plan predicted bf16 faster and chose it on a 24 GB card, measured 1.32 s against
+    the FP8 DiT's 0.97 s on 16 GB; priced per form, FP8 is chosen wherever it fits, and bf16's predicted time is
+    within 10 % of the measured one."""
+    from comfyui_ernie_image.nodes.plan.costs import Costs
+    from comfyui_ernie_image.nodes.plan.describe import dit_record, vae_record
+    from helpers.plan_records import dit_tensors
+
+    h200 = Costs("H200", 25e9, 8e9, {"dit:bf16": 0.143, "dit:fp8_cast": 0.189, "dit:fp8_matmul": 0.156,
+                                     "dit:gguf:Q4_K": 0.301, "text:bf16": 0.011, "text:fp8": 0.0272}, {})
+
+    def turbo(fp8_matmul: bool):
+        return [dit_record("dit", dit_tensors(), gguf_type=None, fp8_matmul=fp8_matmul, runs=8, working=FLOOR,
+                           compiles=True),
+                language_model_record(TEXT_ENCODER, "te", lm_tensors(), runs=1, working=FLOOR),
+                vae_record("vae", [Tensor("decoder.w", (84_000_000,))], working=int(1.2 * GIB))]
+
+    for usable in (15.1, 23.1, 40):
+        chosen = plan(turbo(True), Card(int(usable * GIB), PINNABLE), h200).of(DIT)
+        assert (chosen.form.name, chosen.place) == ("FP8 (torchao)", RESIDENT), usable
+    bf16 = plan(turbo(False), Card(40 * GIB, PINNABLE), h200).of(DIT)
+    assert bf16.form.name == "bf16" and abs(bf16.seconds - 1.0) <= 0.1  # measured: 1.0 s for the 8 steps

@@ -18,6 +18,12 @@ from .records import CPU, DIT, PARTIAL, PER_PROMPT, RESIDENT, STREAMED, VAE, For
 
 COMPUTE_BYTES = 2  # bf16: what the pack computes the models in on the GPUs it plans for
 ROW_SCALE = 4  # one fp32 scale per output row of an fp8 weight
+# A compiled DiT step against the eager forward the probe times, per kind of form: the warm Turbo sampler (8 steps,
+# 1024², compiled blocks) against 8 × the probe's eager forward on the H200 (bench/RESULTS.md, 2026-12-05): GGUF
+# Q4_K 1.2 s / (8 × 0.301 s), FP8 matmul 0.7 s / (8 × 0.156 s), bf16 1.0 s / (8 × 0.143 s): compiling fuses a GGUF
+# layer's decode and FP8's activation scaling, and gains bf16's matrix products little. fp8 storage cast per layer
+# is not measured: its eager time (never optimistic).
+COMPILED = {"gguf": 0.50, "fp8_matmul": 0.56, "bf16": 0.87}
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.")  # transformers' and diffusers' names, llama.cpp's
 
 
@@ -105,24 +111,31 @@ def dominant_gguf_type(tensors: Iterable[Tensor]) -> str:
 
 def dit_record(source: str, tensors: list[Tensor], *, gguf_type: str | None, fp8_matmul: bool, runs: int,
                working: int, fixed: str | None = None, compute_scale: float = 1.0,
-               eager_factor: float = 1.0) -> LoadRecord:
+               compiles: bool = False) -> LoadRecord:
     """The DiT: as stored (bf16, or a GGUF file's types), fp8 storage cast per layer, and, where the GPU has FP8
     matmul and torchao, ``fp8_per_row`` (loaded whole). ``fixed``: the loader's explicit ``quantization/weight_dtype``
-    setting (None: ``auto``). Settings are ``quantization/weight_dtype`` pairs as the loader takes them."""
+    setting (None: ``auto``). Settings are ``quantization/weight_dtype`` pairs as the loader takes them.
+    ``compiles``: the loader compiles the blocks on this GPU (``COMPILED``)."""
     s = sizes(tensors)
+
+    def speedup(kind: str) -> float:
+        return COMPILED.get(kind, 1.0) if compiles else 1.0
+
     if gguf_type is not None:
-        forms = (Form(f"GGUF {gguf_type}", "none/default", f"dit:gguf:{gguf_type}", s.total, s.block),)
+        forms = (Form(f"GGUF {gguf_type}", "none/default", f"dit:gguf:{gguf_type}", s.total, s.block,
+                      speedup("gguf")),)
     else:
-        forms = (Form("bf16", "none/default", "dit:bf16", s.total, s.block),
-                 Form("fp8", "none/fp8_e4m3fn", "dit:fp8_cast", s.total_fp8, s.block_fp8))
+        forms = (Form("bf16", "none/default", "dit:bf16", s.total, s.block, speedup("bf16")),
+                 Form("fp8", "none/fp8_e4m3fn", "dit:fp8_cast", s.total_fp8, s.block_fp8, speedup("fp8_cast")))
         if fp8_matmul:
-            forms += (Form("FP8 (torchao)", "fp8_per_row/default", "dit:fp8_matmul", s.total_fp8),)
+            forms += (Form("FP8 (torchao)", "fp8_per_row/default", "dit:fp8_matmul", s.total_fp8, 0,
+                           speedup("fp8_matmul")),)
     if fixed is not None and all(f.setting != fixed for f in forms):  # a method the plan has no costs of
         quantization = fixed.split("/")[0]
         forms += (Form(quantization, fixed, f"dit:{quantization}", s.total_fp8 if quantization != "none" else s.total,
                        s.block if quantization == "none" else 0),)
     return LoadRecord(DIT, source, forms, (RESIDENT, PARTIAL, PER_PROMPT), working, runs, fixed_form=fixed,
-                      first_read_bytes=s.total, compute_scale=compute_scale, eager_factor=eager_factor)
+                      first_read_bytes=s.total, compute_scale=compute_scale)
 
 
 def language_model_record(role: str, source: str, tensors: list[Tensor], *, runs: int, working: int,

@@ -108,13 +108,14 @@ def _options(record: LoadRecord) -> list[tuple[Form, str]]:
 def _run_seconds(record: LoadRecord, form: Form, place: str, costs: Costs) -> float | None:
     """One run's compute time in ``form`` at ``place`` (None: it cannot run there, or nothing is known of it)."""
     table = costs.cpu_seconds if place == CPU else costs.seconds
+    scale = record.compute_scale * (1.0 if place == CPU else form.compiled)
     if form.compute in table:
-        return table[form.compute] * record.compute_scale
+        return table[form.compute] * scale
     # A form the probe has not measured: the slowest measured form of the same model kind (never optimistic).
     kind = form.compute.split(":", 1)[0] + ":"
     known = [s for key, s in table.items() if key.startswith(kind)]
     if known:
-        return max(known) * record.compute_scale
+        return max(known) * scale
     # Nothing measured of this kind (the VAE's decode): the same in every plan on the GPU; never planned on the CPU.
     return None if place == CPU else 0.0
 
@@ -165,9 +166,9 @@ def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | No
         elif place == PARTIAL:
             gpu = kept
             moved = record.runs * (_held(record, form, lora_bytes) - kept)
-            # The blocks core streams run eager (compiled blocks need their weights on the GPU): at ``eager_factor``.
+            # The blocks core streams run eager (compiled blocks need their weights on the GPU).
             share = 1 - kept / form.weight_bytes
-            seconds = record.runs * run * (1 + share * (record.eager_factor - 1)) + moved / costs.pinned
+            seconds = record.runs * run * (1 + share * (1 / form.compiled - 1)) + moved / costs.pinned
         elif place == PER_PROMPT:
             moved = form.weight_bytes
             seconds = record.runs * run + moved / costs.pageable

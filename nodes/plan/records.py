@@ -26,13 +26,16 @@ class Form:
     """One way of holding a model's weights. ``name``: as the log says it (``GGUF Q4_K``, ``fp8``, ``bf16``);
     ``setting``: the loader value that gives it (``none``, ``fp8_e4m3fn``, ``fp8_per_row``, ``default``);
     ``compute``: the key of the measured cost of one run in this form (``costs.Costs.seconds``); ``weight_bytes``:
-    its weights on the GPU; ``block_bytes``: the largest unit that streams (0: it cannot stream)."""
+    its weights on the GPU; ``block_bytes``: the largest unit that streams (0: it cannot stream); ``compiled``: a
+    run's time with its blocks compiled on the GPU against the eager run the probe measures (1: not compiled, or not
+    measured); blocks that stream run eager."""
 
     name: str
     setting: str
     compute: str
     weight_bytes: int
     block_bytes: int = 0
+    compiled: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,6 @@ class LoadRecord:
     fixed_form: str | None = None
     first_read_bytes: int = 0  # what the first prompt reads from disk
     compute_scale: float = 1.0  # a run's compute against the measured one (the DiT: the image's pixels / 1024²)
-    eager_factor: float = 1.0  # a streamed block's compute against a resident one's (compiled blocks stream eager)
 
 
 @dataclass(frozen=True)
