@@ -371,7 +371,7 @@ def test_a_text_encoder_the_plan_put_on_the_cpu_comes_back_to_the_gpu_in_the_pla
 
     session.register(planning.make_plan)
     card(5)
-    monkeypatch.delenv(planning.STREAM_TEXT_ENCODER_ENV)  # the places core has always had: resident, per prompt, CPU
+    monkeypatch.setenv(planning.STREAM_TEXT_ENCODER_ENV, "off")  # core's places alone: resident, per prompt, CPU
     graph = _gguf_graph()
     assert (session.plan_for(graph).of(TEXT_ENCODER).place, session.place(TEXT_ENCODER)) == (CPU, CPU)
     tiny = TEXT_ENCODER_MODELS.resolve("text_encoders/" + tiny_models["text_encoder_file"].name)
@@ -379,7 +379,7 @@ def test_a_text_encoder_the_plan_put_on_the_cpu_comes_back_to_the_gpu_in_the_pla
     assert te.follows_plan and te.on_host and not te.fp8
 
     card(12)
-    monkeypatch.delenv(planning.STREAM_TEXT_ENCODER_ENV)
+    monkeypatch.setenv(planning.STREAM_TEXT_ENCODER_ENV, "off")
     placement = session.plan_for(graph).of(TEXT_ENCODER)
     assert (placement.place, placement.form.setting) == (RESIDENT, "fp8_e4m3fn")
     with caplog.at_level(logging.INFO), torch.inference_mode():
@@ -413,7 +413,7 @@ def test_a_prompt_enhancer_the_plan_put_on_the_cpu_runs_on_the_gpu_when_the_card
     graph["enhance"] = {"class_type": "ErnieImagePromptEnhance", "inputs": {"pe": ["pe", 0], "max_new_tokens": 64}}
     session.register(planning.make_plan)
     card(5)
-    monkeypatch.delenv(planning.STREAM_TEXT_ENCODER_ENV)
+    monkeypatch.setenv(planning.STREAM_TEXT_ENCODER_ENV, "off")
     assert session.plan_for(graph).of(PROMPT_ENHANCER).place == CPU
     tiny = placed("text_encoders", "tiny/ernie-image-prompt-enhancer.safetensors")
     tiny.write_bytes(tiny_models["pe_single_file"].read_bytes())
@@ -424,7 +424,7 @@ def test_a_prompt_enhancer_the_plan_put_on_the_cpu_runs_on_the_gpu_when_the_card
     before = next(pe._model.parameters())
 
     card(12)
-    monkeypatch.delenv(planning.STREAM_TEXT_ENCODER_ENV)
+    monkeypatch.setenv(planning.STREAM_TEXT_ENCODER_ENV, "off")
     placement = session.plan_for(graph).of(PROMPT_ENHANCER)
     assert (placement.place, placement.form.setting) == (RESIDENT, "fp8_e4m3fn")
     with caplog.at_level(logging.INFO), torch.inference_mode():
