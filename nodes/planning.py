@@ -233,8 +233,7 @@ def _dit(want: Wanted, device: torch.device, floor: int) -> LoadRecord:
                       fp8_matmul=facts.torchao and facts.arch is not None and facts.arch >= FP8_MIN_ARCH,
                       runs=want.steps * want.forwards,
                       working=max(floor, step_estimate(ErnieImageConfig, want.latent, torch.bfloat16)),
-                      fixed=None if gguf else fixed,
-                      compute_scale=pixels, compiles=compiles)
+                      fixed=fixed, compute_scale=pixels, compiles=compiles)
 
 
 def _dit_setting(quantization: str, weight_dtype: str, gguf: bool) -> str | None:

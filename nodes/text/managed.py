@@ -104,8 +104,7 @@ class ManagedTextEncoder(CacheSized):
         if self.reread is None or (fp8 == self.fp8 and self.encoder is not None):
             return
         streamed, on_host = self.streamed, self.on_host
-        unload(self.patcher)
-        unpin_weights(self.patcher)
+        self._unload()
         self.encoder = self.patcher = self.stream = None  # the weights held now go before the new ones are read
         logging.info("ERNIE-Image: the memory plan holds the text encoder %s now: reading it again",
                      "in fp8" if fp8 else "as stored")
@@ -117,10 +116,8 @@ class ManagedTextEncoder(CacheSized):
         (``on_host``), or load it whole on the GPU again: the plan may change between prompts."""
         if (streamed, on_host) == (self.streamed, self.on_host):
             return
+        self._unload()
         patcher = self.patcher
-        unload(patcher)  # loaded whole before: its weights go back to the offload device
-        if self.streamed:
-            unpin_weights(patcher)
         self.streamed, self.on_host = streamed, on_host
         if streamed:
             patcher.load_device = patcher.offload_device
@@ -133,6 +130,12 @@ class ManagedTextEncoder(CacheSized):
         else:
             patcher.load_device = whole_load_device(patcher.model, self.stream.device, patcher.offload_device,
                                                     "text encoder", self.chosen)
+
+    def _unload(self) -> None:
+        """Loaded whole before: its weights go back to the offload device; streamed: unpinned."""
+        unload(self.patcher)
+        if self.streamed:
+            unpin_weights(self.patcher)
 
     def _layer_keys(self) -> list[str]:
         return [f"module.layers.{name}" for name, _ in self.encoder.language_model.layers.named_parameters()]

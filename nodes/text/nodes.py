@@ -47,8 +47,13 @@ def planned_text_encoder(device: str, weight_dtype: str) -> dict:
     if device != AUTO:
         return dict(device=device, fp8=fp8)
     place = session.place(TEXT_ENCODER)  # the CPU's place: in the GPU's dtype (bf16), as core runs it there
-    return dict(fp8=fp8, streamed=place == STREAMED, on_host=place == CPU, follows_plan=place is not None,
+    return dict(fp8=fp8, **_place_flags(place), follows_plan=place is not None,
                 form_follows_plan=place is not None and weight_dtype == AUTO)
+
+
+def _place_flags(place: str | None) -> dict:
+    """A plan's place of the text encoder as ``ManagedTextEncoder``'s ``streamed`` and ``on_host``."""
+    return dict(streamed=place == STREAMED, on_host=place == CPU)
 
 
 def load_text_encoder(model: Model, device: str, weight_dtype: str) -> ManagedTextEncoder:
@@ -136,7 +141,7 @@ class ErnieImageTextEncode(io.ComfyNode):
         place = session.place(TEXT_ENCODER)
         if text_encoder.follows_plan and place is not None:  # the plan may have changed since its loader ran
             text_encoder.set_form(wants_fp8(session.form_setting(TEXT_ENCODER, AUTO, "default")))
-            text_encoder.set_place(streamed=place == STREAMED, on_host=place == CPU)
+            text_encoder.set_place(**_place_flags(place))
         return io.NodeOutput([[text_encoder.encode(text), {}]])
 
 
