@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import sys
 
 import torch
 
@@ -58,7 +60,9 @@ def _build(channel: WorkerChannel):
 
 def serve(spec: dict) -> None:
     """The worker's life: build and load the DiT, join the group, run jobs until rank 0 says stop. An error is
-    left for rank 0 to show before the process exits with it."""
+    left for rank 0 to show, and the process exits with code 1 at once: an interpreter's normal teardown with the
+    group still open can abort in gloo's or NCCL's threads (SIGABRT, "terminate called without an active
+    exception"), which would hide the error's exit behind a signal."""
     logging.basicConfig(level=logging.INFO, format=f"ERNIE-Image worker {spec['rank']}: %(message)s")
     channel = WorkerChannel(spec)
     try:
@@ -79,4 +83,7 @@ def serve(spec: dict) -> None:
         channel.leave()
     except BaseException as error:
         channel.fail(error)
-        raise
+        logging.exception("stopped")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
