@@ -14,9 +14,11 @@ from comfyui_ernie_image.nodes.plan.records import (
     DIT,
     PARTIAL,
     PER_PROMPT,
+    PROMPT_ENHANCER,
     RESIDENT,
     STREAMED,
     TEXT_ENCODER,
+    VAE,
     Form,
 )
 from helpers.plan_records import FLOOR, GIB, costs, graph, lm_tensors
@@ -157,11 +159,43 @@ def test_without_pinnable_memory_streaming_is_priced_at_the_pageable_bandwidth()
 
 
 def test_a_partial_dit_keeps_what_fits_and_streams_the_rest_each_step():
+    """At sampling core loads what fits of the DiT beside its working memory and a block passing through; the decode
+    then takes its room from the DiT, which loads it again at the next sampling: that comes on top of the layers
+    streamed at every step."""
     records, lora = graph(gguf=False, pe=False)
-    chosen = plan(records, Card(int(6.1 * GIB), PINNABLE), costs(), lora)
-    dit = chosen.of(DIT)
+    usable = int(6.1 * GIB)
+    chosen = plan(records, Card(usable, PINNABLE), costs(), lora)
+    dit, vae = chosen.of(DIT), chosen.of(VAE)
     assert dit.place == PARTIAL and 0 < dit.gpu_bytes < dit.form.weight_bytes
-    assert dit.copied == 8 * (dit.form.weight_bytes - dit.gpu_bytes)
+    assert dit.gpu_bytes == usable - dit.record.working_bytes - dit.form.block_bytes
+    decode = int(vae.form.weight_bytes * 1.1) + vae.record.working_bytes
+    given_up = decode - (usable - dit.gpu_bytes)
+    assert given_up > 0
+    assert dit.copied == 8 * (dit.form.weight_bytes - dit.gpu_bytes) + given_up
+    assert vae.place == PER_PROMPT  # the sampler's load evicts it
+
+
+@pytest.mark.parametrize("kinds", GRAPHS, ids=lambda k: "-".join(n for n, on in k.items() if on) or "turbo")
+def test_no_model_core_loads_is_planned_resident_beside_a_partial_dit(kinds):
+    """Core's sampler frees the partial DiT's offloaded bytes by unloading every other model it holds, then loads
+    the DiT whole where it can (model_management.load_models_gpu, 0.3.75 and upstream @02b2b388). On the H200
+    (2026-12-05, the PE workflow on 12 and 16 GB) the plan kept the PE "resident" beside a partial DiT: core loaded
+    the PE again every prompt (7.3 GB), the DiT then whole, and the prompt took 4-5 x the prediction."""
+    _, _, plans = _sweep(**kinds)
+    for size, p in plans:
+        if p is not None and p.of(DIT).place == PARTIAL:
+            others = [pl for pl in p.placements if pl.role != DIT]
+            assert all(pl.place != RESIDENT for pl in others), (size, p.line())
+
+
+def test_the_pe_workflow_on_16gb_keeps_the_pe_and_the_dit_where_core_keeps_them():
+    """The PE workflow on a 16 GB card (15.1 GiB usable): the PE in fp8 beside an FP8 DiT, both resident, the text
+    encoder streamed: nothing core must evict per prompt (before: the bf16 PE "resident" beside a partial DiT)."""
+    records, lora = graph(gguf=False, pe=True)
+    chosen = plan(records, Card(int(15.1 * GIB), PINNABLE), costs(), lora)
+    assert chosen.of(DIT).place == RESIDENT and chosen.of(PROMPT_ENHANCER).place == RESIDENT, chosen.line()
+    assert chosen.of(TEXT_ENCODER).place in (STREAMED, RESIDENT), chosen.line()
+    assert chosen.peak <= chosen.card.usable
 
 
 def test_records_count_the_language_models_bytes_from_their_shapes():

@@ -3,20 +3,22 @@ function: engine code, no ComfyUI).
 
 A prompt runs its models in stages (``records.ROLES``: the PE, the text encoder, the DiT, the VAE decode). A model
 RESIDENT on the GPU holds its weights there through every stage; the others hold GPU memory only in their own stage:
-PER_PROMPT its whole weights, STREAMED two of its blocks (the one computing and the next arriving), PARTIAL (the DiT
-under core's partial loading) the part core keeps, which stays through every stage, CPU nothing. A stage's peak is
-what the residents hold, what the running model holds and its working memory; a plan is possible where every stage's
-peak fits the usable memory.
+PER_PROMPT its whole weights (moved in, and back out when the next model needs the room), STREAMED two of its
+blocks (the one computing and the next arriving), CPU nothing. A PARTIAL DiT is core's partial loading as core runs
+it (``_partial``): at sampling core evicts every other model it holds and loads what fits of the DiT; the later
+stages take their room from the DiT, which loads it again at the next sampling. A stage's peak is what stays on the
+GPU, what the running model holds and its working memory; a plan is possible where every stage's peak fits the
+usable memory.
 
-Time: each model's runs at the measured cost of its form (``costs``), plus the bytes it moves host → GPU each prompt
-at the measured bandwidth (pinned for streamed weights where core may pin them all, and for core's partial loading,
-which pins what it keeps off the GPU; pageable for whole loads). Every combination is tried (a handful of forms and
-places per model). Where every model can stay on the GPU at once, the plan keeps them there: it moves nothing per
-prompt, which no measured cost beats on a card whose link other programs share. Otherwise the plan is the fastest
-possible one, then the one whose first prompt is fastest, then the one that moves fewest bytes. A larger card only
-adds possible combinations, so the predicted warm time never rises as memory grows, but where the all-resident rule
-would pick a slower plan than a mix that moves weights: the tests check over every size from 4 to 48 GiB that it does
-not for ERNIE-Image's models.
+Time: each model's runs at the measured cost of its form (``costs``), plus the bytes it moves each prompt at the
+measured bandwidth (pinned for streamed weights where core may pin them all; pageable for whole loads; for core's
+partial loading the rates it reached on the H200, ``CORE_STREAMING`` and ``CORE_RELOAD``). Every combination is
+tried (a handful of forms and places per model). Where every model can stay on the GPU at once, the plan keeps them
+there: it moves nothing per prompt, which no measured cost beats on a card whose link other programs share.
+Otherwise the plan is the fastest possible one, then the one whose first prompt is fastest, then the one that moves
+fewest bytes. A larger card only adds possible combinations or makes a partial DiT keep more, so the predicted warm
+time never rises as memory grows, but where the all-resident rule would pick a slower plan than a mix that moves
+weights: the tests check over every size from 4 to 48 GiB that it does not for ERNIE-Image's models.
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ from .records import CPU, DIT, PARTIAL, PER_PROMPT, RESIDENT, ROLES, STREAMED, F
 GIB = 2**30
 LOAD_MARGIN = 1.1  # core frees 1.1x a model's size before it loads it whole (model_management.load_models_gpu)
 DISK_BYTES_PER_S = 1e9  # the first prompt's read of the files (the same files in every plan: a tie-breaker only)
+# Core's partial loading against the probe's pinned copy (52 GB/s on the H200), fitted to session 25's rows
+# (bench/RESULTS.md, 2026-12-05): the offloaded layers stream one cast at a time, each waited for by its layer
+# (13 GB/s: the GGUF DiT on 6 and 7 GB cards and the fp8 DiT on 8 GB then predict 1.17, 1.13 and 0.80 x what they
+# measured); a byte the DiT gives up to another stage is copied out and pinned, then unpinned and copied back at
+# the next sampling (2.2 GB/s for the pair: 0.94 GB given up cost 0.43 s on 7 GB against 8 GB).
+CORE_STREAMING = 0.25
+CORE_RELOAD = 0.042
 
 
 @dataclass(frozen=True)
@@ -125,27 +134,69 @@ def _held(record: LoadRecord, form: Form, lora_bytes: int) -> int:
     return form.weight_bytes + (lora_bytes if record.role == DIT else 0)
 
 
+def _stage_need(record: LoadRecord, form: Form, place: str) -> int:
+    """What a model's own stage needs beside what stays on the GPU: its weights where core loads them for the stage
+    (with core's margin), two streamed blocks, and its working memory."""
+    if place == CPU:
+        return 0
+    held = {PER_PROMPT: int(form.weight_bytes * LOAD_MARGIN), STREAMED: 2 * form.block_bytes}.get(place, 0)
+    return held + record.working_bytes
+
+
+@dataclass(frozen=True)
+class _Partial:
+    """A DiT under core's partial loading: ``kept`` on the GPU while it samples, ``lost`` of it given up to the other
+    stages and loaded again at each sampling, ``peak`` the most any stage holds."""
+
+    kept: int
+    lost: int
+    peak: int
+
+
+def _partial(choice: Sequence[tuple[LoadRecord, Form, str]], at: int, lora_bytes: int, usable: int) -> _Partial | None:
+    """How core runs a partial DiT (model_management.load_models_gpu, 0.3.75 and upstream @02b2b388): the sampler's
+    load frees the DiT's offloaded bytes (x1.1) and its working memory by unloading every other model core holds
+    (the sampler's DiT is a new clone, never a candidate itself), then loads as much of the DiT as is free; every
+    later load (the decode, the next prompt's PE) frees its room by unloading part of the DiT first (the model with
+    the most offloaded). So no other model core loads stays resident beside a partial DiT (the H200's log, PE
+    workflow on 12 and 16 GB, 2026-12-05: the PE loaded again each prompt, the DiT then loaded whole), and what the
+    DiT gives up between two samplings is loaded again at each."""
+    record, form, _ = choice[at]
+    others = [c for i, c in enumerate(choice) if i != at]
+    if any(place == RESIDENT for _, _, place in others):
+        return None
+    need = record.working_bytes + form.block_bytes  # at least one block passes through beside the working memory
+    kept = min(_held(record, form, lora_bytes), usable - need)
+    if kept < 0:
+        return None
+    # The stages after sampling, in order (the decode, then the next prompt's PE and text encoder): what core loads
+    # for one stays until the sampler's load evicts it.
+    after = [c for c in others if ROLES.index(c[0].role) > ROLES.index(DIT)] + \
+            [c for c in others if ROLES.index(c[0].role) < ROLES.index(DIT)]
+    held = lost = peak = 0
+    for other, other_form, place in after:
+        stage = held + _stage_need(other, other_form, place)
+        if stage > usable:
+            return None
+        lost, peak = max(lost, stage - (usable - kept)), max(peak, stage)
+        if place == PER_PROMPT:
+            held += other_form.weight_bytes
+    lost = max(lost, 0)
+    return _Partial(kept, lost, max(kept + need, kept - lost + peak))
+
+
 def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | None, card: Card,
               costs: Costs) -> tuple[float, float, int, int, tuple[Placement, ...]] | None:
     lora_bytes = lora.patch_bytes if lora is not None else 0
-    resident = 0
-    for record, form, place in choice:
-        if place == RESIDENT:
-            resident += _held(record, form, lora_bytes)
-    # A stage's own memory beside the residents: its working memory and what its model holds only then.
-    stage = []
-    for record, form, place in choice:
-        held = {PER_PROMPT: int(form.weight_bytes * LOAD_MARGIN), STREAMED: 2 * form.block_bytes}.get(place, 0)
-        stage.append(0 if place == CPU else held + record.working_bytes)
-    partial = [i for i, (_, _, place) in enumerate(choice) if place == PARTIAL]
-    kept = 0
-    if partial:  # core keeps what fits of the DiT through every stage; at least one block must pass through
-        i = partial[0]
-        form = choice[i][1]
-        kept = min(form.weight_bytes - form.block_bytes, card.usable - resident - max(stage) - form.block_bytes)
-        if kept < 0:
+    at = next((i for i, (_, _, place) in enumerate(choice) if place == PARTIAL), None)
+    if at is not None:
+        partial = _partial(choice, at, lora_bytes, card.usable)
+        if partial is None:
             return None
-    peak = resident + kept + max(stage, default=0) + (choice[partial[0]][1].block_bytes if partial else 0)
+        peak = partial.peak
+    else:
+        resident = sum(_held(r, f, lora_bytes) for r, f, place in choice if place == RESIDENT)
+        peak = resident + max((_stage_need(r, f, place) for r, f, place in choice), default=0)
     if peak > card.usable:
         return None
     # Streamed weights are pinned where core allows it (its bound on pinned host memory); else they stream from
@@ -164,14 +215,19 @@ def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | No
             moved = record.runs * form.weight_bytes
             seconds = record.runs * run + moved / stream_rate
         elif place == PARTIAL:
-            gpu = kept
-            moved = record.runs * (_held(record, form, lora_bytes) - kept)
-            # The blocks core streams run eager (compiled blocks need their weights on the GPU).
-            share = 1 - kept / form.weight_bytes
-            seconds = record.runs * run * (1 + share * (1 / form.compiled - 1)) + moved / costs.pinned
+            gpu = partial.kept
+            streams = _held(record, form, lora_bytes) - partial.kept
+            moved = record.runs * streams + partial.lost
+            # The blocks core streams run eager (compiled blocks need their weights on the GPU), at the rate core's
+            # per-layer casts reach; what the other stages took is moved out and back in (core pins it).
+            share = streams / form.weight_bytes
+            seconds = (record.runs * run * (1 + share * (1 / form.compiled - 1))
+                       + record.runs * streams / (costs.pinned * CORE_STREAMING)
+                       + partial.lost / (costs.pinned * CORE_RELOAD))
         elif place == PER_PROMPT:
+            # Loaded whole for its stage and moved back to the host when the next model needs the room.
             moved = form.weight_bytes
-            seconds = record.runs * run + moved / costs.pageable
+            seconds = record.runs * run + 2 * moved / costs.pageable
         else:
             seconds = record.runs * run
         warm += seconds
