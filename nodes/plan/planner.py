@@ -35,11 +35,15 @@ LOAD_MARGIN = 1.1  # core frees 1.1x a model's size before it loads it whole (mo
 DISK_BYTES_PER_S = 1e9  # the first prompt's read of the files (the same files in every plan: a tie-breaker only)
 # Core's partial loading against the probe's pinned copy (52 GB/s on the H200), fitted to session 25's rows
 # (bench/RESULTS.md, 2026-12-05): the offloaded layers stream one cast at a time, each waited for by its layer
-# (13 GB/s: the GGUF DiT on 6 and 7 GB cards and the fp8 DiT on 8 GB then predict 1.17, 1.13 and 0.80 x what they
+# (18 GB/s: the GGUF DiT on 6 and 7 GB cards and the fp8 DiT on 8 GB then predict within 0.83-1.10 x what they
 # measured); a byte the DiT gives up to another stage is copied out and pinned, then unpinned and copied back at
 # the next sampling (2.2 GB/s for the pair: 0.94 GB given up cost 0.43 s on 7 GB against 8 GB).
-CORE_STREAMING = 0.25
+CORE_STREAMING = 0.35
 CORE_RELOAD = 0.042
+# What the process keeps allocated beside the models between stages (cuBLAS workspaces, latents, encodings, the
+# streamed text encoder's buffers): on the H200's 8 GB card core found 0.51 GiB less free before the decode than the
+# plan counted with the LoRA, and with no LoRA at most 0.43 (it unloaded nothing) (2026-12-05).
+BESIDE_MODELS = int(0.4 * GIB)
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,8 @@ class Plan:
             if p.place == RESIDENT:
                 what += f" ({p.gpu_bytes / GIB:.1f} GiB)"
             elif p.place == PARTIAL:
-                what += f" ({p.gpu_bytes / GIB:.1f} of {p.form.weight_bytes / GIB:.1f} GiB on the GPU)"
+                whole = p.form.weight_bytes + (self.lora.patch_bytes if p.role == DIT and self.lora else 0)
+                what += f" ({p.gpu_bytes / GIB:.1f} of {whole / GIB:.1f} GiB on the GPU while it samples)"
             if p.copied:
                 what += f" ({p.copied / 1e9:.1f} GB per prompt)"
             if p.role == DIT and self.lora is not None:
@@ -188,16 +193,17 @@ def _partial(choice: Sequence[tuple[LoadRecord, Form, str]], at: int, lora_bytes
 def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | None, card: Card,
               costs: Costs) -> tuple[float, float, int, int, tuple[Placement, ...]] | None:
     lora_bytes = lora.patch_bytes if lora is not None else 0
+    room = card.usable - BESIDE_MODELS
     at = next((i for i, (_, _, place) in enumerate(choice) if place == PARTIAL), None)
     if at is not None:
-        partial = _partial(choice, at, lora_bytes, card.usable)
+        partial = _partial(choice, at, lora_bytes, room)
         if partial is None:
             return None
         peak = partial.peak
     else:
         resident = sum(_held(r, f, lora_bytes) for r, f, place in choice if place == RESIDENT)
         peak = resident + max((_stage_need(r, f, place) for r, f, place in choice), default=0)
-    if peak > card.usable:
+    if peak > room:
         return None
     # Streamed weights are pinned where core allows it (its bound on pinned host memory); else they stream from
     # pageable memory, more slowly.
