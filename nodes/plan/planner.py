@@ -239,7 +239,8 @@ def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | No
         warm += seconds
         first += seconds + record.first_read_bytes / DISK_BYTES_PER_S
         placements.append(Placement(record, form, place, gpu, moved, seconds))
-    return warm, first, sum(p.copied for p in placements), peak, tuple(placements)
+    # The peak counts what the process holds beside the models: an out-of-memory error's measured peak compares to it.
+    return warm, first, sum(p.copied for p in placements), peak + BESIDE_MODELS, tuple(placements)
 
 
 def _ordered(records: Sequence[LoadRecord]) -> list[LoadRecord]:
