@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.text.encoder import ErnieTextEncoder
+from comfyui_ernie_image.nodes.text.managed import ManagedTextEncoder
 from helpers.files import snapshot_with_truncated_file
 
 PROMPTS = ["a red cat sits on a blue mat", "", "一只 红色 的 猫", 'quotes "and" \\ backslashes\nnewline']
@@ -74,3 +75,21 @@ def test_truncated_snapshot_file_is_named(tiny_models, tmp_path, relative, keep_
     snapshot = snapshot_with_truncated_file(tiny_models["snapshot"], tmp_path, relative, keep_bytes)
     with pytest.raises(ErnieImageError, match=rf"{relative} .*damaged or incomplete"):
         ErnieTextEncoder.from_snapshot(snapshot, torch.float32)
+
+
+def test_a_file_gone_when_the_plan_changes_the_form_is_named_and_read_again_once_back(tiny_models, tmp_path):
+    """The plan asks a text encoder loaded with weight_dtype ``auto`` for fp8 (``set_form``), which drops the weights
+    held and reads the file again; the file is gone (moved between prompts). That read and the next encode fail in
+    words naming the file, not with an AttributeError of the half-dropped encoder; with the file back, the next encode
+    reads it again and gives the embedding of before."""
+    path = tmp_path / "ministral-3-3b.safetensors"
+    path.write_bytes(tiny_models["text_encoder_file"].read_bytes())
+    encoder = ManagedTextEncoder.from_single_file(path, follows_plan=True, form_follows_plan=True)
+    expected = encoder.encode(PROMPTS[0])
+    moved = path.rename(tmp_path / "moved.safetensors")
+    with pytest.raises(ErnieImageError, match="ministral-3-3b"):
+        encoder.set_form(fp8=True)
+    with pytest.raises(ErnieImageError, match="ministral-3-3b"):
+        encoder.encode(PROMPTS[0])
+    moved.rename(path)
+    torch.testing.assert_close(encoder.encode(PROMPTS[0]), expected, rtol=0, atol=0)

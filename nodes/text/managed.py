@@ -104,8 +104,9 @@ class ManagedTextEncoder(CacheSized):
         if self.reread is None or (fp8 == self.fp8 and self.encoder is not None):
             return
         streamed, on_host = self.streamed, self.on_host
-        self._unload()
-        self.encoder = self.patcher = self.stream = None  # the weights held now go before the new ones are read
+        if self.encoder is not None:  # None: the last read failed and left nothing held
+            self._unload()
+            self.encoder = self.patcher = self.stream = None  # the weights held now go before the new ones are read
         logging.info("ERNIE-Image: the memory plan holds the text encoder %s now: reading it again",
                      "in fp8" if fp8 else "as stored")
         self._hold(self.reread(fp8), streamed, on_host)
@@ -147,6 +148,8 @@ class ManagedTextEncoder(CacheSized):
         """``[1, T, D]`` embeddings of ``text``, computed where ComfyUI places the text encoder, or streamed; kept
         for the latest distinct texts per kind of device (a text met again after a move to another device is
         encoded there, as a fresh process would)."""
+        if self.encoder is None:  # set_form's read failed (the file deleted or changed): read it again, or say why
+            self.set_form(self.fp8)
         key = (text, (self.stream.device if self.streamed else self.patcher.load_device).type)
         if key in self.encodings:
             self.encodings.move_to_end(key)
