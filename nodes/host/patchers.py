@@ -36,6 +36,7 @@ import torch
 from comfy.patcher_extension import CallbacksMP
 
 from ..errors import ErnieImageError
+from . import host_copy
 from .memory import capacity, fits_whole
 from .oom import load_advice
 from .sizes import module_bytes
@@ -148,7 +149,8 @@ class WholeModelPatcher(OutsideInferenceMode, ModelPatcher):
     read from the DiT's file, core merges the patches into it (``calculate_weight``: LoRA, DoRA, LoHa, LoKr as core
     reads them), and the result is quantized again with the same method. Core's backup keeps the quantized weight
     (on the offload device, as core keeps its backups), so unloading or a changed LoRA stack restores it exactly.
-    Everything else (the text encoder, the PE, an SVDQuant DiT) refuses patches."""
+    Everything else (the text encoder, the PE, an SVDQuant DiT) refuses patches, and once core has unloaded one,
+    it keeps its host copy: loaded per prompt from pinned memory, unloaded without a copy back (``host_copy``)."""
 
     loads_whole = True  # read by the out-of-memory advice (oom.py), which cannot import this module
 
@@ -157,6 +159,11 @@ class WholeModelPatcher(OutsideInferenceMode, ModelPatcher):
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
         self.requantize_seconds: list[float] = []  # one per layer made again in this load
+        if self._requantizer() is None and (device_to or self.load_device) != self.offload_device:
+            pinned = host_copy.before_load(self.model)
+            if pinned:
+                logging.info("ERNIE-Image: %s is loaded for each prompt: its host copy is kept, %.1f MB pinned",
+                             type(self.model).__name__, pinned / 1e6)
         try:
             loaded = super().load(device_to, lowvram_model_memory, force_patch_weights, full_load=True, **kwargs)
         except torch.OutOfMemoryError as error:
@@ -193,6 +200,13 @@ class WholeModelPatcher(OutsideInferenceMode, ModelPatcher):
 
     def partially_unload(self, *args, **kwargs) -> int:
         return 0  # frees nothing: ComfyUI then unloads the whole model
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True, **kwargs):
+        # A model that can take no patches keeps its host copy once core has unloaded it (``host_copy``).
+        if (unpatch_weights and device_to is not None and self._requantizer() is None
+                and any(p.device != torch.device(device_to) for p in self.model.parameters())):
+            host_copy.before_unload(self.model, device_to)
+        return super().unpatch_model(device_to, unpatch_weights, **kwargs)
 
 
 def whole_load_device(container: torch.nn.Module, load: torch.device, offload: torch.device, what: str,

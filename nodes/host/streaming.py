@@ -32,7 +32,7 @@ def pin_weights(patcher: ModelPatcher, keys: list[str]) -> int:
     one at a time, as ComfyUI-GGUF detaches mapped weights before core pins them (nodes.py @76908c11,
     ``GGUFModelPatcher.pin_weight_to_device``): core registers memory it owns, and a failed registration leaves a
     CUDA error that 0.3.75 does not clear (upstream does: ``discard_cuda_async_error``, model_management.py
-    @02b2b388). The copy takes host pages of its own (``_in_own_pages``), and where core does not clear a failed
+    @02b2b388). The copy takes host pages of its own (``in_own_pages``), and where core does not clear a failed
     registration's error, it is cleared here before a kernel of the encode would raise it."""
     pin = getattr(patcher, "pin_weight_to_device", None)
     if pin is None or getattr(mm, "MAX_PINNED_MEMORY", 0) <= 0:
@@ -40,14 +40,16 @@ def pin_weights(patcher: ModelPatcher, keys: list[str]) -> int:
     before = set(patcher.pinned)
     for key in set(keys) - before:
         weight = comfy.utils.get_attr(patcher.model, key)
+        if weight.is_pinned():  # pinned already, as a host copy kept (``host_copy``): streamed from it as it is
+            continue
         with torch.inference_mode(False):
-            weight.data = _in_own_pages(weight.data)
+            weight.data = in_own_pages(weight.data)
         pin(key)
-    _clear_registration_error()
+    clear_registration_error()
     return sum(tensor_bytes(comfy.utils.get_attr(patcher.model, key)) for key in set(patcher.pinned) - before)
 
 
-def _in_own_pages(tensor: torch.Tensor) -> torch.Tensor:
+def in_own_pages(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of ``tensor`` in host pages no other tensor lies in. CUDA registers whole pages, and a range sharing a
     page with one registered before is refused (``cudaErrorHostMemoryAlreadyRegistered``) unless core's guard sees
     it (``tensor.is_pinned()`` reads the first byte's page only); plain copies were heap neighbours sharing pages."""
@@ -57,7 +59,7 @@ def _in_own_pages(tensor: torch.Tensor) -> torch.Tensor:
     return buffer[start:start + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
 
-def _clear_registration_error() -> None:
+def clear_registration_error() -> None:
     """Take the error a refused ``cudaHostRegister`` leaves behind, as upstream's ``discard_cuda_async_error`` does
     after each failure (a kernel, which raises it, and a wait), where the core has none (0.3.75): else the next
     kernel raises it, in the encode."""

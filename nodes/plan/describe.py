@@ -156,7 +156,7 @@ def language_model_record(role: str, source: str, tensors: list[Tensor], *, runs
     if all(f.setting != fixed_form for f in forms):
         fixed_form = None  # a setting this file has no form of (fp8 of a GGUF file): its loader refuses it in words
     return LoadRecord(role, source, forms, tuple(p for p in possible if places is None or p in places), working, runs,
-                      fixed_form=fixed_form, first_read_bytes=s.total)
+                      fixed_form=fixed_form, first_read_bytes=s.total, keeps_host_copy=True)
 
 
 def _kind(role: str) -> str:

@@ -11,7 +11,8 @@ GPU, what the running model holds and its working memory; a plan is possible whe
 usable memory.
 
 Time: each model's runs at the measured cost of its form (``costs``), plus the bytes it moves each prompt at the
-measured bandwidth (pinned for streamed weights where core may pin them all; pageable for whole loads; for core's
+measured bandwidth (pinned for streamed weights and for the host copy a per-prompt text encoder or PE keeps, where
+core may pin them all; pageable for whole loads of the others, in and out; for core's
 partial loading the rates it reached on the H200, ``CORE_STREAMING`` and ``CORE_RELOAD``). Every combination is
 tried (a handful of forms and places per model). Where every model can stay on the GPU at once, the plan keeps them
 there: it moves nothing per prompt, which no measured cost beats on a card whose link other programs share.
@@ -205,10 +206,11 @@ def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | No
         peak = resident + max((_stage_need(r, f, place) for r, f, place in choice), default=0)
     if peak > room:
         return None
-    # Streamed weights are pinned where core allows it (its bound on pinned host memory); else they stream from
-    # pageable memory, more slowly.
-    streamed = sum(form.weight_bytes for _, form, place in choice if place == STREAMED)
-    stream_rate = costs.pinned if streamed <= card.pinnable else costs.pageable
+    # Streamed weights and the host copies of models loaded per prompt are pinned where core allows it (its bound
+    # on pinned host memory); else they move from pageable memory, more slowly.
+    pinned = sum(form.weight_bytes for record, form, place in choice
+                 if place == STREAMED or place == PER_PROMPT and record.keeps_host_copy)
+    host_rate = costs.pinned if pinned <= card.pinnable else costs.pageable
     warm = first = 0.0
     placements = []
     for record, form, place in choice:
@@ -219,7 +221,7 @@ def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | No
         moved = 0
         if place == STREAMED:
             moved = record.runs * form.weight_bytes
-            seconds = record.runs * run + moved / stream_rate
+            seconds = record.runs * run + moved / host_rate
         elif place == PARTIAL:
             gpu = partial.kept
             streams = _held(record, form, lora_bytes) - partial.kept
@@ -231,9 +233,10 @@ def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | No
                        + record.runs * streams / (costs.pinned * CORE_STREAMING)
                        + partial.lost / (costs.pinned * CORE_RELOAD))
         elif place == PER_PROMPT:
-            # Loaded whole for its stage and moved back to the host when the next model needs the room.
+            # Loaded whole for its stage and moved back to the host when the next model needs the room; a model that
+            # keeps its host copy is only copied in.
             moved = form.weight_bytes
-            seconds = record.runs * run + 2 * moved / costs.pageable
+            seconds = record.runs * run + (moved / host_rate if record.keeps_host_copy else 2 * moved / costs.pageable)
         else:
             seconds = record.runs * run
         warm += seconds

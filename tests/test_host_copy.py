@@ -1,0 +1,79 @@
+"""A text encoder or PE that ComfyUI unloads between prompts keeps its host copy (``host/host_copy.py``): core's
+next load copies from it, and every later unload points the weights at it again instead of copying them back.
+
+Run by a real 0.3.75 core's ``ModelPatcher.load`` and ``detach`` (``WholeModelPatcher``, as the PE and the text
+encoder are managed). The GPU's stand-in is the meta device, to which core's moves work and from which nothing can
+be copied back: an unload that copied would fail. Core's first unload (a copy from the GPU) is the one step a meta
+device cannot give: the test marks it with ``before_unload``, which the patcher calls then (the H200 check runs it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfyui_ernie_image.nodes.host import host_copy
+from comfyui_ernie_image.nodes.host.patchers import ManagedModule, WholeModelPatcher
+
+CPU, GPU = torch.device("cpu"), torch.device("meta")
+
+
+def _patcher() -> tuple[WholeModelPatcher, torch.nn.Module]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8))
+    container = ManagedModule(model, CPU)
+    return WholeModelPatcher(container, load_device=GPU, offload_device=CPU), container
+
+
+def _host(module: torch.nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
+    return {name: (p.data_ptr(), p.detach().clone()) for name, p in module.named_parameters()}
+
+
+def test_a_model_unloaded_once_is_loaded_again_from_its_host_copy_and_unloaded_without_a_copy():
+    patcher, container = _patcher()
+    host_copy.before_unload(container, CPU)  # core's first unload, from the GPU (see the module's docstring)
+    kept = {name: p.data_ptr() for name, p in container.named_parameters()}
+    patcher.load(GPU, full_load=True)
+    assert all(p.device == GPU for p in container.parameters())
+    patcher.load(GPU, full_load=True)  # loaded already: nothing kept again
+    for _ in range(2):  # each unload and load after the first: the same host tensors, unchanged
+        patcher.detach()
+        assert all(p.device == CPU for p in container.parameters())
+        assert {name: p.data_ptr() for name, p in container.named_parameters()} == kept
+        patcher.load(GPU, full_load=True)
+    patcher.detach()
+    before = _host(container)
+    patcher.load(GPU, full_load=True)
+    patcher.detach()
+    for name, p in container.named_parameters():
+        assert torch.equal(p, before[name][1]), name
+
+
+def test_a_model_never_unloaded_keeps_no_second_copy():
+    """A model that stays loaded (resident) holds its weights once: nothing on the host beside the GPU's copy, so
+    core's unload must copy them back (from the meta device it cannot: the error shows no host copy was kept)."""
+    patcher, container = _patcher()
+    patcher.load(GPU, full_load=True)
+    with pytest.raises(NotImplementedError, match="meta"):
+        patcher.detach()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA GPU (the H200 check runs it)")
+def test_on_a_gpu_the_second_load_pins_the_host_copy_and_unloads_copy_nothing_back():
+    torch.manual_seed(0)
+    container = ManagedModule(torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)), CPU)
+    patcher = WholeModelPatcher(container, load_device=torch.device("cuda"), offload_device=CPU)
+    originals = {name: p.detach().clone() for name, p in container.named_parameters()}
+    patcher.load(torch.device("cuda"), full_load=True)
+    patcher.detach()  # core's first unload: copied back
+    patcher.load(torch.device("cuda"), full_load=True)
+    patcher.detach()
+    kept = {name: p.data_ptr() for name, p in container.named_parameters()}
+    assert all(p.is_pinned() for p in container.parameters())
+    for _ in range(2):
+        patcher.load(torch.device("cuda"), full_load=True)
+        assert all(p.is_cuda for p in container.parameters())
+        patcher.detach()
+        assert {name: p.data_ptr() for name, p in container.named_parameters()} == kept
+    for name, p in container.named_parameters():
+        assert torch.equal(p, originals[name]), name
