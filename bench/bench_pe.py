@@ -13,7 +13,9 @@ shape (batch x new tokens, ``min_new_tokens`` / ``ignore_eos`` force the length)
   default): K/V read in place;
 - ``pack``: what the pack runs: the same after ``nodes/pe/local/fused.py`` stacks each layer's gate and up
   projections into one matrix. It fuses the model in place, so the variants above run first (the order of
-  ``--variants``).
+  ``--variants``);
+- ``pack-fp8``: the same with the decoder's linears in fp8 (``weight_dtype`` fp8_e4m3fn: cast to bf16 per layer as
+  each step runs), last (its bf16 weights go).
 All pack variants use the same cache buckets.
 
 Reports decode tokens/s, time to first token, compile (warm-up minus timed run) and peak memory as a markdown table,
@@ -102,7 +104,28 @@ def runners(model, decode, protocol) -> dict:
         "pack-sdpa": unfused(lambda: pack(attention="sdpa")),
         "pack-unfused": unfused(lambda: pack()),
         "pack": lambda: (fuse_mlp_projections(model), pack())[1],
+        "pack-fp8": lambda: (fuse_mlp_projections(model), to_fp8(model), pack())[2],
     }
+
+
+@torch.no_grad()
+def to_fp8(model) -> int:
+    """The decoder's linears (stacked gate and up too) as the pack's fp8 PE holds them (``Fp8Linear``, one scale per
+    row), in place: what ``weight_dtype`` fp8_e4m3fn loads. Last of the variants (the bf16 weights go)."""
+    from comfyui_ernie_image.nodes.fp8_linear import DECODER_LINEAR, FUSED_LINEAR, Fp8Linear, quantize_rows
+
+    converted = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear) and (DECODER_LINEAR.match(f"{name}.weight")
+                                                    or FUSED_LINEAR.match(f"{name}.weight")):
+            layer = Fp8Linear(module.in_features, module.out_features, bias=False, device="meta")
+            weight, scale = quantize_rows(module.weight)
+            layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+            layer.weight_scale = scale
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, layer)
+            converted += 1
+    return converted
 
 
 def measure(run, batch: int, new_tokens: int, prompt_tokens: int, device: str) -> dict:
