@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.testing._internal.two_tensor import TwoTensor
 
 from comfyui_ernie_image.nodes.host import host_copy
 from comfyui_ernie_image.nodes.host.patchers import ManagedModule, WholeModelPatcher
@@ -77,3 +78,22 @@ def test_on_a_gpu_the_second_load_pins_the_host_copy_and_unloads_copy_nothing_ba
         assert {name: p.data_ptr() for name, p in container.named_parameters()} == kept
     for name, p in container.named_parameters():
         assert torch.equal(p, originals[name]), name
+
+
+def test_a_tensor_subclass_weight_is_kept_by_its_inner_tensors():
+    """torchao's quantized weights are tensor subclasses (``TwoTensor``, torch's test wrapper of two tensors, stands
+    in for them, as in ``test_quant_lowvram.py``): after an unload the layer's weight is the kept wrapper again, its
+    inner tensors the same host memory as before the load."""
+    patcher, container = _patcher()
+    layer = container.module[0]
+    weight = layer.weight.detach()
+    layer.weight = torch.nn.Parameter(TwoTensor(weight, weight.clone()), requires_grad=False)
+    host_copy.before_unload(container, CPU)  # core's first unload, from the GPU (see the module's docstring)
+    inner = (layer.weight.a.data_ptr(), layer.weight.b.data_ptr())
+    for _ in range(2):
+        patcher.load(GPU, full_load=True)
+        assert layer.weight.device == GPU
+        patcher.detach()
+        assert isinstance(layer.weight, TwoTensor) and layer.weight.device == CPU
+        assert (layer.weight.a.data_ptr(), layer.weight.b.data_ptr()) == inner
+        assert torch.equal(layer.weight.a, weight)

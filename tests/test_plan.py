@@ -266,3 +266,17 @@ def test_a_per_prompt_text_encoder_or_pe_is_copied_in_once_from_its_pinned_host_
     vae_only = [dataclasses.replace(r, places=(PER_PROMPT,)) if r.role == VAE else r for r in records]
     vae = plan(vae_only, Card(int(11.1 * GIB), PINNABLE), rates, lora).of(VAE)
     assert vae.seconds == pytest.approx(2 * vae.form.weight_bytes / rates.pageable)
+
+
+def test_a_per_prompt_fp8_dit_keeps_its_host_copy_but_not_with_a_lora():
+    """The torchao DiT loaded whole per prompt keeps its host copy like the language models; with a LoRA its layers
+    are merged and quantized again at each load, so it is copied in and back out at the pageable rate."""
+    rates = costs()
+    for with_lora, expected in ((False, lambda b: b / rates.pinned), (True, lambda b: 2 * b / rates.pageable)):
+        records, lora = graph(gguf=False, lora=with_lora)
+        forced = [dataclasses.replace(r, places=(PER_PROMPT,), fixed_form="fp8_per_row/default")
+                  if r.role == DIT else r for r in records]
+        dit = plan(forced, Card(int(24 * GIB), PINNABLE), rates, lora).of(DIT)
+        assert dit.form.name == "FP8 (torchao)" and dit.place == PER_PROMPT
+        run = rates.seconds[dit.form.compute] * dit.form.compiled
+        assert dit.seconds == pytest.approx(8 * run + expected(dit.form.weight_bytes)), with_lora

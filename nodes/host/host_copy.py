@@ -3,10 +3,13 @@
 Core unloads a model by copying its weights back to the offload device (``ModelPatcher.unpatch_model``:
 ``self.model.to(offload_device)``, 0.3.75 and upstream model_patcher.py @08d0e510) into new pageable memory, and
 loads it again from there: both ways over the link at the pageable rate (on the H200 5.5 GB/s against 52 pinned).
-The PE and the text encoder hold the same weights for their whole life (no patches: ``WholeModelPatcher`` refuses
-them), so once core has unloaded one of them (it is loaded per prompt), its host tensors stay: pinned within core's
-bound (``model_management.pin_memory``), the next load copies from them at the pinned rate, and each later unload
-points the weights at them again instead of copying back. A model core never unloads keeps no second copy.
+The PE, the text encoder and a torchao DiT without LoRA patches hold the same weights for their whole life, so once
+core has unloaded one of them (it is loaded per prompt), its host tensors stay: pinned within core's bound
+(``model_management.pin_memory``), the next load copies from them at the pinned rate, and each later unload points
+the weights at them again instead of copying back. A model core never unloads keeps no second copy.
+
+torchao's weights are tensor subclasses: their inner tensors are what is copied and pinned, and the weight is made
+again around them (``__tensor_unflatten__``, as torch's tracing does).
 """
 
 from __future__ import annotations
@@ -16,16 +19,12 @@ import weakref
 import comfy.model_management as mm
 import comfy.utils
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .streaming import clear_registration_error, in_own_pages
 
 _KEPT: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
 _UNLOADED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # unloaded by core once: loaded per prompt
-
-
-def _plain(model: torch.nn.Module):
-    """The parameters a host copy can stand in for: plain tensors (a tensor subclass moves as core moves it)."""
-    return ((name, p) for name, p in model.named_parameters() if type(p.data) is torch.Tensor)
 
 
 def before_unload(model: torch.nn.Module, device: torch.device) -> None:
@@ -37,13 +36,13 @@ def before_unload(model: torch.nn.Module, device: torch.device) -> None:
         _UNLOADED.add(model)
         return
     with torch.inference_mode(False):
-        for name, parameter in _plain(model):
+        for name, parameter in list(model.named_parameters()):
             host = kept.get(name)
             if host is None or parameter.device == host.device or host.device != torch.device(device):
                 continue
-            if torch._has_compatible_shallow_copy_type(parameter, host):
+            if type(parameter.data) is torch.Tensor and torch._has_compatible_shallow_copy_type(parameter, host):
                 parameter.data = host  # the same Parameter: what holds it (a compiled PE step) sees the move
-            else:  # as torch's own moves do between such types (the meta device)
+            else:  # a new Parameter around it, as torch's own moves make for a tensor subclass or the meta device
                 comfy.utils.set_attr_param(model, name, host)
 
 
@@ -54,21 +53,45 @@ def before_load(model: torch.nn.Module) -> int:
     if model not in _UNLOADED or model in _KEPT:
         return 0
     kept, pinned = {}, []
+    pins = getattr(mm, "MAX_PINNED_MEMORY", 0) > 0
     with torch.inference_mode(False):
-        for name, parameter in _plain(model):
+        for name, parameter in list(model.named_parameters()):
             if parameter.device.type != "cpu":
                 continue
-            if getattr(mm, "MAX_PINNED_MEMORY", 0) > 0 and not parameter.is_pinned():
-                # Core registers memory in place, whole pages: a tensor sharing a page with another is refused.
-                parameter.data = in_own_pages(parameter.data)
-                if mm.pin_memory(parameter):
-                    pinned.append(parameter.data)
-            kept[name] = parameter.data
+            wrapper = is_traceable_wrapper_subclass(parameter)
+            if not pins or not wrapper and parameter.is_pinned():
+                kept[name] = parameter.detach()  # another object: core's move may swap the Parameter's contents
+                continue
+            host, inner = _in_own_pages(parameter.detach())
+            # Core registers memory in place, whole pages (a tensor sharing a page with another is refused), and
+            # in 0.3.75 only what it types as a Parameter.
+            pinned += [t for t in inner if mm.pin_memory(torch.nn.Parameter(t, requires_grad=False))]
+            if wrapper:
+                comfy.utils.set_attr_param(model, name, host)
+            else:
+                parameter.data = host  # the same Parameter
+            kept[name] = host
     clear_registration_error()
     _KEPT[model] = kept
     if pinned:
         weakref.finalize(model, _unpin, pinned).atexit = False
     return sum(t.nbytes for t in pinned)
+
+
+def _in_own_pages(tensor: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``tensor`` copied into pages of its own, and the plain tensors that hold it (a tensor subclass's inner ones,
+    its wrapper made again around their copies)."""
+    if not is_traceable_wrapper_subclass(tensor):
+        if not tensor.is_contiguous():  # its strides are its layout (a transposed inner weight): kept, not pinned
+            return tensor, []
+        copy = in_own_pages(tensor)
+        return copy, [copy]
+    names, context = tensor.__tensor_flatten__()
+    inner, plain = {}, []
+    for name in names:
+        inner[name], held = _in_own_pages(getattr(tensor, name))
+        plain += held
+    return type(tensor).__tensor_unflatten__(inner, context, tensor.size(), tensor.stride()), plain
 
 
 def _unpin(tensors: list[torch.Tensor]) -> None:

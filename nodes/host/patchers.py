@@ -149,8 +149,9 @@ class WholeModelPatcher(OutsideInferenceMode, ModelPatcher):
     read from the DiT's file, core merges the patches into it (``calculate_weight``: LoRA, DoRA, LoHa, LoKr as core
     reads them), and the result is quantized again with the same method. Core's backup keeps the quantized weight
     (on the offload device, as core keeps its backups), so unloading or a changed LoRA stack restores it exactly.
-    Everything else (the text encoder, the PE, an SVDQuant DiT) refuses patches, and once core has unloaded one,
-    it keeps its host copy: loaded per prompt from pinned memory, unloaded without a copy back (``host_copy``)."""
+    Everything else (the text encoder, the PE, an SVDQuant DiT) refuses patches. Once core has unloaded a model
+    without patches, it keeps its host copy: loaded per prompt from pinned memory, unloaded without a copy back
+    (``host_copy``)."""
 
     loads_whole = True  # read by the out-of-memory advice (oom.py), which cannot import this module
 
@@ -159,7 +160,7 @@ class WholeModelPatcher(OutsideInferenceMode, ModelPatcher):
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
         self.requantize_seconds: list[float] = []  # one per layer made again in this load
-        if self._requantizer() is None and (device_to or self.load_device) != self.offload_device:
+        if not self.patches and (device_to or self.load_device) != self.offload_device:
             pinned = host_copy.before_load(self.model)
             if pinned:
                 logging.info("ERNIE-Image: %s is loaded for each prompt: its host copy is kept, %.1f MB pinned",
@@ -202,8 +203,8 @@ class WholeModelPatcher(OutsideInferenceMode, ModelPatcher):
         return 0  # frees nothing: ComfyUI then unloads the whole model
 
     def unpatch_model(self, device_to=None, unpatch_weights=True, **kwargs):
-        # A model that can take no patches keeps its host copy once core has unloaded it (``host_copy``).
-        if (unpatch_weights and device_to is not None and self._requantizer() is None
+        # A model without patches keeps its host copy once core has unloaded it (``host_copy``).
+        if (unpatch_weights and device_to is not None and not self.patches
                 and any(p.device != torch.device(device_to) for p in self.model.parameters())):
             host_copy.before_unload(self.model, device_to)
         return super().unpatch_model(device_to, unpatch_weights, **kwargs)

@@ -129,7 +129,7 @@ def dit_record(source: str, tensors: list[Tensor], *, gguf_type: str | None, fp8
                  Form("fp8", "none/fp8_e4m3fn", "dit:fp8_cast", s.total_fp8, s.block_fp8, speedup("fp8_cast")))
         if fp8_matmul:
             forms += (Form("FP8 (torchao)", "fp8_per_row/default", "dit:fp8_matmul", s.total_fp8, 0,
-                           speedup("fp8_matmul")),)
+                           speedup("fp8_matmul"), keeps_host_copy=True),)
     if fixed is not None and all(f.setting != fixed for f in forms):  # a method the plan has no costs of
         quantization = fixed.split("/")[0]
         forms += (Form(quantization, fixed, f"dit:{quantization}", s.total_fp8 if quantization != "none" else s.total,
@@ -148,15 +148,16 @@ def language_model_record(role: str, source: str, tensors: list[Tensor], *, runs
     streamed = (s.block, s.block_fp8) if streams else (0, 0)
     gguf = dominant_gguf_type(tensors) if any(t.kind is not None for t in tensors) else None
     if gguf is not None:
-        forms = (Form(f"GGUF {gguf}", "default", f"{_kind(role)}:gguf:{gguf}", s.total, streamed[0]),)
+        forms = (Form(f"GGUF {gguf}", "default", f"{_kind(role)}:gguf:{gguf}", s.total, streamed[0],
+                      keeps_host_copy=True),)
     else:
-        forms = (Form("bf16", "default", f"{_kind(role)}:bf16", s.total, streamed[0]),
-                 Form("fp8", "fp8_e4m3fn", f"{_kind(role)}:fp8", s.total_fp8, streamed[1]))
+        forms = (Form("bf16", "default", f"{_kind(role)}:bf16", s.total, streamed[0], keeps_host_copy=True),
+                 Form("fp8", "fp8_e4m3fn", f"{_kind(role)}:fp8", s.total_fp8, streamed[1], keeps_host_copy=True))
     possible = (RESIDENT, STREAMED, PER_PROMPT, CPU) if streams else (RESIDENT, PER_PROMPT, CPU)
     if all(f.setting != fixed_form for f in forms):
         fixed_form = None  # a setting this file has no form of (fp8 of a GGUF file): its loader refuses it in words
     return LoadRecord(role, source, forms, tuple(p for p in possible if places is None or p in places), working, runs,
-                      fixed_form=fixed_form, first_read_bytes=s.total, keeps_host_copy=True)
+                      fixed_form=fixed_form, first_read_bytes=s.total)
 
 
 def _kind(role: str) -> str:

@@ -191,6 +191,12 @@ def _partial(choice: Sequence[tuple[LoadRecord, Form, str]], at: int, lora_bytes
     return _Partial(kept, lost, max(kept + need, kept - lost + peak))
 
 
+def _keeps_host_copy(record: LoadRecord, form: Form, lora: LoraSet | None) -> bool:
+    """Whether ``form`` keeps its host copy when loaded per prompt: a DiT with a LoRA has its layers merged and
+    quantized again at each load, which a kept copy cannot stand in for."""
+    return form.keeps_host_copy and not (record.role == DIT and lora is not None)
+
+
 def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | None, card: Card,
               costs: Costs) -> tuple[float, float, int, int, tuple[Placement, ...]] | None:
     lora_bytes = lora.patch_bytes if lora is not None else 0
@@ -209,7 +215,7 @@ def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | No
     # Streamed weights and the host copies of models loaded per prompt are pinned where core allows it (its bound
     # on pinned host memory); else they move from pageable memory, more slowly.
     pinned = sum(form.weight_bytes for record, form, place in choice
-                 if place == STREAMED or place == PER_PROMPT and record.keeps_host_copy)
+                 if place == STREAMED or place == PER_PROMPT and _keeps_host_copy(record, form, lora))
     host_rate = costs.pinned if pinned <= card.pinnable else costs.pageable
     warm = first = 0.0
     placements = []
@@ -236,7 +242,8 @@ def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | No
             # Loaded whole for its stage and moved back to the host when the next model needs the room; a model that
             # keeps its host copy is only copied in.
             moved = form.weight_bytes
-            seconds = record.runs * run + (moved / host_rate if record.keeps_host_copy else 2 * moved / costs.pageable)
+            kept = _keeps_host_copy(record, form, lora)
+            seconds = record.runs * run + (moved / host_rate if kept else 2 * moved / costs.pageable)
         else:
             seconds = record.runs * run
         warm += seconds

@@ -36,6 +36,9 @@ class Form:
     weight_bytes: int
     block_bytes: int = 0
     compiled: float = 1.0
+    # Loaded whole per prompt, it keeps its host copy, pinned (the text encoder, the PE, the torchao DiT without a
+    # LoRA: ``host/host_copy.py``): each load copies at the pinned rate and nothing is copied back.
+    keeps_host_copy: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,9 +56,6 @@ class LoadRecord:
     runs: int = 1
     fixed_form: str | None = None
     first_read_bytes: int = 0  # what the first prompt reads from disk
-    # Loaded per prompt, it keeps its host copy, pinned (the text encoder and the PE: ``host/host_copy.py``): each
-    # load copies at the pinned rate and nothing is copied back.
-    keeps_host_copy: bool = False
     compute_scale: float = 1.0  # a run's compute against the measured one (the DiT: the image's pixels / 1024²)
 
 
