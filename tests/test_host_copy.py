@@ -9,6 +9,8 @@ device cannot give: the test marks it with ``before_unload``, which the patcher 
 
 from __future__ import annotations
 
+import comfy.model_management as mm
+import psutil
 import pytest
 import torch
 from torch.testing._internal.two_tensor import TwoTensor
@@ -60,7 +62,10 @@ def test_a_model_never_unloaded_keeps_no_second_copy():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA GPU (the H200 check runs it)")
-def test_on_a_gpu_the_second_load_pins_the_host_copy_and_unloads_copy_nothing_back():
+def test_on_a_gpu_the_second_load_pins_the_host_copy_and_unloads_copy_nothing_back(monkeypatch):
+    """The tests run core in CPU mode (``conftest``), where it pins nothing: its bound is set as a GPU core sets it
+    (0.95 of the host RAM in 0.3.75), and core's own ``pin_memory`` registers the copy."""
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", int(0.95 * psutil.virtual_memory().total))
     torch.manual_seed(0)
     container = ManagedModule(torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)), CPU)
     patcher = WholeModelPatcher(container, load_device=torch.device("cuda"), offload_device=CPU)
@@ -97,3 +102,15 @@ def test_a_tensor_subclass_weight_is_kept_by_its_inner_tensors():
         assert isinstance(layer.weight, TwoTensor) and layer.weight.device == CPU
         assert (layer.weight.a.data_ptr(), layer.weight.b.data_ptr()) == inner
         assert torch.equal(layer.weight.a, weight)
+
+
+def test_low_host_ram_keeps_no_copy_fault_injected(monkeypatch):
+    """Host RAM this machine cannot run short of (the fault injected: ``spare_host_memory`` answers below what the
+    pack leaves to the system): the model keeps no copy, and core's unload copies back as before (from the meta
+    device it cannot: the error shows nothing was kept)."""
+    monkeypatch.setattr(host_copy, "spare_host_memory", lambda: -1)
+    patcher, container = _patcher()
+    host_copy.before_unload(container, CPU)
+    patcher.load(GPU, full_load=True)
+    with pytest.raises(NotImplementedError, match="meta"):
+        patcher.detach()

@@ -6,7 +6,8 @@ loads it again from there: both ways over the link at the pageable rate (on the 
 The PE, the text encoder and a torchao DiT without LoRA patches hold the same weights for their whole life, so once
 core has unloaded one of them (it is loaded per prompt), its host tensors stay: pinned within core's bound
 (``model_management.pin_memory``), the next load copies from them at the pinned rate, and each later unload points
-the weights at them again instead of copying back. A model core never unloads keeps no second copy.
+the weights at them again instead of copying back. A model core never unloads keeps no second copy, nor does one
+while the host RAM left is what the pack leaves to the system (``memory.spare_host_memory``).
 
 torchao's weights are tensor subclasses: their inner tensors are what is copied and pinned, and the weight is made
 again around them (``__tensor_unflatten__``, as torch's tracing does).
@@ -14,13 +15,16 @@ again around them (``__tensor_unflatten__``, as torch's tracing does).
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import comfy.model_management as mm
 import comfy.utils
+import psutil
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .memory import spare_host_memory
 from .streaming import clear_registration_error, in_own_pages
 
 _KEPT: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
@@ -51,6 +55,10 @@ def before_load(model: torch.nn.Module) -> int:
     on, pinned where core's bound allows; the bytes pinned. A model dropped after its unload (read again in another
     form) never pays for this."""
     if model not in _UNLOADED or model in _KEPT:
+        return 0
+    if spare_host_memory() < 0:  # the host RAM left to the system: the model moves as core moves it
+        logging.info("ERNIE-Image: %s keeps no host copy: the host RAM left (%.1f GiB) is the system's",
+                     type(model).__name__, psutil.virtual_memory().available / 2**30)
         return 0
     kept, pinned = {}, []
     pins = getattr(mm, "MAX_PINNED_MEMORY", 0) > 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import comfy.cli_args
 import comfy.model_management as mm
 import comfy.model_patcher
+import psutil  # ComfyUI's own dependency (its model management imports it)
 import torch
 
 # Not from ``patchers``: it builds on this module (``text_model_patcher`` sizes a model against the card).
@@ -23,6 +24,10 @@ ModelPatcher = comfy.model_patcher.ModelPatcher
 UNET_DTYPE_FLAGS = ("fp32_unet", "fp64_unet", "bf16_unet", "fp16_unet", "fp8_e4m3fn_unet", "fp8_e5m2_unet",
                     "fp8_e8m0fnu_unet")
 LOAD_MARGIN = 1.1  # core sizes a load at 1.1x the model (model_management.load_models_gpu)
+# Host RAM the pack leaves to the system and other programs when it keeps a model's host copy: kept copies (often
+# pinned, never swapped out) must not take the last of it. The H200 check's PE workflow on 12 GB held 27 GiB with
+# the PE's, the DiT's and the streamed text encoder's copies (2026-12-05).
+HOST_RESERVE_SHARE, HOST_RESERVE_MIN = 0.1, 4 * 2**30
 
 
 def torch_device() -> torch.device:
@@ -94,6 +99,13 @@ def text_devices(choice: str = "default") -> tuple[torch.device, torch.device]:
 def load_whole(patcher: ModelPatcher, memory_required: int = 0) -> None:
     """Load ``patcher`` on its device with ``memory_required`` bytes beside it, making room as ComfyUI does."""
     mm.load_models_gpu([patcher], memory_required=memory_required, force_full_load=True)
+
+
+def spare_host_memory() -> int:
+    """Host RAM available now beyond what is left to the system (``HOST_RESERVE_*``): what copies kept on the host
+    may still take."""
+    memory = psutil.virtual_memory()
+    return int(memory.available - max(HOST_RESERVE_MIN, memory.total * HOST_RESERVE_SHARE))
 
 
 def intermediate_device() -> torch.device:

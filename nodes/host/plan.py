@@ -17,7 +17,7 @@ import comfy.cli_args
 import comfy.model_management as mm
 import torch
 
-from .memory import usable_memory
+from .memory import spare_host_memory, usable_memory
 from .patchers import core_has_dynamic_vram, is_dynamic
 
 # Core's flags that fix where models go, as its VRAMState says (model_management.py).
@@ -64,9 +64,11 @@ def total_memory(device: torch.device) -> int:
 
 def pinnable() -> int:
     """Host bytes core would still pin (its ``MAX_PINNED_MEMORY`` less what is pinned; 0 where the core does not
-    pin, or ``--disable-pinned-memory``)."""
+    pin, or ``--disable-pinned-memory``), within the host RAM the pack may still take (``spare_host_memory``)."""
     most = getattr(mm, "MAX_PINNED_MEMORY", 0)
-    return max(int(most) - int(getattr(mm, "TOTAL_PINNED_MEMORY", 0)), 0) if most and most > 0 else 0
+    if not most or most <= 0:
+        return 0
+    return max(min(int(most) - int(getattr(mm, "TOTAL_PINNED_MEMORY", 0)), spare_host_memory()), 0)
 
 
 def working_floor() -> int:

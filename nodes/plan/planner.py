@@ -212,11 +212,12 @@ def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | No
         peak = resident + max((_stage_need(r, f, place) for r, f, place in choice), default=0)
     if peak > room:
         return None
-    # Streamed weights and the host copies of models loaded per prompt are pinned where core allows it (its bound
-    # on pinned host memory); else they move from pageable memory, more slowly.
+    # Streamed weights and the host copies of models loaded per prompt are pinned where core allows it and the host
+    # RAM has room (``card.pinnable``); else weights stream from pageable memory, more slowly, and no copy is kept.
     pinned = sum(form.weight_bytes for record, form, place in choice
                  if place == STREAMED or place == PER_PROMPT and _keeps_host_copy(record, form, lora))
-    host_rate = costs.pinned if pinned <= card.pinnable else costs.pageable
+    room = pinned <= card.pinnable
+    host_rate = costs.pinned if room else costs.pageable
     warm = first = 0.0
     placements = []
     for record, form, place in choice:
@@ -242,8 +243,8 @@ def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | No
             # Loaded whole for its stage and moved back to the host when the next model needs the room; a model that
             # keeps its host copy is only copied in.
             moved = form.weight_bytes
-            kept = _keeps_host_copy(record, form, lora)
-            seconds = record.runs * run + (moved / host_rate if kept else 2 * moved / costs.pageable)
+            kept = room and _keeps_host_copy(record, form, lora)
+            seconds = record.runs * run + (moved / costs.pinned if kept else 2 * moved / costs.pageable)
         else:
             seconds = record.runs * run
         warm += seconds
