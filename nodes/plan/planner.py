@@ -11,8 +11,9 @@ GPU, what the running model holds and its working memory; a plan is possible whe
 usable memory.
 
 Time: each model's runs at the measured cost of its form (``costs``), plus the bytes it moves each prompt at the
-measured bandwidth (pinned for streamed weights and for the host copy a per-prompt text encoder or PE keeps, where
-core may pin them all; pageable for whole loads of the others, in and out; for core's
+measured bandwidth (pinned for streamed weights and for the host copy a per-prompt model keeps, the text encoder,
+the PE or an FP8 DiT without LoRA, where core may pin them all; pageable for whole loads of the others, in and out;
+for core's
 partial loading the rates it reached on the H200, ``CORE_STREAMING`` and ``CORE_RELOAD``). Every combination is
 tried (a handful of forms and places per model). Where every model can stay on the GPU at once, the plan keeps them
 there: it moves nothing per prompt, which no measured cost beats on a card whose link other programs share.
