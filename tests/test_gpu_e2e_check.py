@@ -285,3 +285,22 @@ def test_the_gguf_text_encoder_twins_read_the_files_the_check_writes_for_them_al
             15 if "Q4_K_M" in name else 7)  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M, _Q8_0
         embedding = encoder.encode("A cozy reading nook", torch.device("cpu"))
         assert torch.isfinite(embedding).all() and embedding.abs().max() > 0
+
+
+def test_the_worker_keeps_room_on_the_disk_by_removing_the_oldest_saved_quantized_dits(tmp_path):
+    """The H200's disk filled with the quantized DiTs the pack saved for three sources (2026-12-05): before each
+    workflow the worker removes the oldest saved ones until the disk has room (a disk that has room is the fault a
+    test cannot make: ``free`` answers as that disk would)."""
+    import os
+
+    from checks.gpu.e2e_worker import keep_disk_for_a_workflow
+
+    saved = tmp_path / "ernie_quantized"
+    for age, name in enumerate(["newest", "middle", "oldest"]):
+        (saved / name).mkdir(parents=True)
+        (saved / name / "w.safetensors").write_bytes(b"x" * 10)
+        os.utime(saved / name, (1e9 - age * 100, 1e9 - age * 100))
+    free = iter([5, 8, 20, 20])  # bytes free before each check: room after two removals
+    assert keep_disk_for_a_workflow(saved, free=lambda path: next(free), need=10) == ["oldest", "middle"]
+    assert sorted(p.name for p in saved.iterdir()) == ["newest"]
+    assert keep_disk_for_a_workflow(tmp_path / "none", free=lambda path: 0, need=10) == []

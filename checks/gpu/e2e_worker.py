@@ -37,6 +37,7 @@ import logging
 import os
 import re
 import resource
+import shutil
 import sys
 import threading
 import time
@@ -625,6 +626,26 @@ def free(executor, nvml: NvmlPeak | None = None) -> dict:
     return dict(before=before, after=held())
 
 
+# What a workflow may write to the machine's disk: a quantized DiT the pack saves (8.2 GB true size) and inductor's
+# caches. On the H200 (64 GiB disk, 42 GB of the check's models) the saved DiTs of three sources filled it
+# (2026-12-05: "No space left on device").
+DISK_NEED = 12 * 10**9
+
+
+def keep_disk_for_a_workflow(saved: Path, free=lambda path: shutil.disk_usage(path).free,
+                             need: int = DISK_NEED) -> list[str]:
+    """Remove the oldest quantized DiTs the pack saved under ``saved`` (``models/ernie_quantized``) until ``need``
+    bytes are free on its disk; the names removed. A later workflow of the same DiT quantizes it again."""
+    removed = []
+    entries = sorted((p for p in saved.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime) \
+        if saved.is_dir() else []
+    while entries and free(saved) < need:
+        oldest = entries.pop(0)
+        shutil.rmtree(oldest, ignore_errors=True)
+        removed.append(oldest.name)
+    return removed
+
+
 def detect_core(comfy_dir: Path) -> str:
     """``fork`` for the pip-installable fork's layout (``comfy/cmd/main_pre.py``), else ``0.3.75`` (``main.py``,
     ``execution.py`` and ``nodes.py`` at the top)."""
@@ -679,6 +700,10 @@ def main() -> None:
 
     turbo = None
     for path in map(Path, options.workflows.split(",")):
+        removed = keep_disk_for_a_workflow(options.base / "models" / "ernie_quantized")
+        if removed:
+            print(f"== disk: removed the saved quantized DiTs {removed} to keep {DISK_NEED / 1e9:.0f} GB free",
+                  flush=True)
         graph = json.loads(path.read_text())
         turbo = graph if path.stem == "ernie_image_turbo" else turbo
         labels = ["first", "warm", *(f"warm {n}" for n in range(2, options.warm_runs + 1))]
