@@ -304,3 +304,36 @@ def test_the_worker_keeps_room_on_the_disk_by_removing_the_oldest_saved_quantize
     assert keep_disk_for_a_workflow(saved, free=lambda path: next(free), need=10) == ["oldest", "middle"]
     assert sorted(p.name for p in saved.iterdir()) == ["newest"]
     assert keep_disk_for_a_workflow(tmp_path / "none", free=lambda path: 0, need=10) == []
+
+
+def test_the_worker_collects_garbage_after_a_prompt_as_comfyuis_server_does():
+    """ComfyUI's server collects after a prompt once 10 s passed since the last collection (0.3.75 main.py
+    ``prompt_worker``); the check's in-process executor does the same, so an earlier workflow's models held only in
+    reference cycles do not stay loaded longer than in a server."""
+    import gc
+    import weakref
+
+    from checks.gpu.e2e_worker import ServerCollection
+
+    class Held:
+        pass
+
+    def cycle() -> weakref.ref:
+        held = Held()
+        held.self = held
+        return weakref.ref(held)
+
+    gc.disable()  # only the worker's collection runs here
+    try:
+        collection = ServerCollection()
+        first = cycle()
+        collection.after_prompt()  # the first prompt: collected
+        assert first() is None
+        second = cycle()
+        collection.after_prompt()  # within 10 s of the last collection: not yet
+        assert second() is not None
+        collection.last -= ServerCollection.INTERVAL_S
+        collection.after_prompt()
+        assert second() is None
+    finally:
+        gc.enable()

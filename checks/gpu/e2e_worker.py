@@ -626,6 +626,26 @@ def free(executor, nvml: NvmlPeak | None = None) -> dict:
     return dict(before=before, after=held())
 
 
+class ServerCollection:
+    """The garbage collection ComfyUI's server runs after a prompt (0.3.75 main.py ``prompt_worker``: ``gc.collect()``
+    and ``soft_empty_cache()`` once at least 10 s passed since the last), which the check's in-process executor does
+    not: without it a previous workflow's models, held only in reference cycles, stay loaded in this process as they
+    would not in a server (on the H200 a 24 GB card then loaded the next workflow's models again every prompt)."""
+
+    INTERVAL_S = 10.0
+
+    def __init__(self):
+        self.last = 0.0
+
+    def after_prompt(self) -> None:
+        import comfy.model_management as mm
+
+        if time.perf_counter() - self.last > self.INTERVAL_S:
+            gc.collect()
+            mm.soft_empty_cache()
+            self.last = time.perf_counter()
+
+
 # What a workflow may write to the machine's disk: a quantized DiT the pack saves (8.2 GB true size) and inductor's
 # caches. On the H200 (64 GiB disk, 42 GB of the check's models) the saved DiTs of three sources filled it
 # (2026-12-05: "No space left on device").
@@ -699,6 +719,13 @@ def main() -> None:
         print(f"== {workflow} [{run}]: {row}", flush=True)
 
     turbo = None
+    collection = ServerCollection()
+
+    def prompt(graph: dict) -> dict:
+        row = run_prompt(execution, executor, graph, nvml)
+        collection.after_prompt()
+        return row
+
     for path in map(Path, options.workflows.split(",")):
         removed = keep_disk_for_a_workflow(options.base / "models" / "ernie_quantized")
         if removed:
@@ -708,21 +735,22 @@ def main() -> None:
         turbo = graph if path.stem == "ernie_image_turbo" else turbo
         labels = ["first", "warm", *(f"warm {n}" for n in range(2, options.warm_runs + 1))]
         for run, label in enumerate(labels):
-            record(path.stem, label, run_prompt(execution, executor, variant(
-                graph, run, options.pe_tokens, options.size, options.base_steps), nvml))
+            record(path.stem, label, prompt(variant(graph, run, options.pe_tokens, options.size, options.base_steps)))
         if path.stem == "ernie_image_pe_local":
             record(path.stem, "/free", dict(ok=True, **free(executor, nvml)))
             if turbo is not None:
-                record("ernie_image_turbo", "after /free", run_prompt(execution, executor, variant(
-                    turbo, len(labels), options.pe_tokens, options.size, options.base_steps), nvml))
+                record("ernie_image_turbo", "after /free", prompt(variant(
+                    turbo, len(labels), options.pe_tokens, options.size, options.base_steps)))
         if options.copies and torch.cuda.is_available():
             profiled = variant(graph, len(labels) + 1, options.pe_tokens, options.size, options.base_steps)
             row, moved = copied_bytes(functools.partial(run_prompt, execution, executor, profiled))
             record(path.stem, "copies", dict(row, copied_bytes=moved))
+            collection.after_prompt()
         if options.allocations and torch.cuda.is_available():
             traced = variant(graph, len(labels) + 2, options.pe_tokens, options.size, options.base_steps)
             row, peak = allocations_at_peak(functools.partial(run_prompt, execution, executor, traced))
             record(path.stem, "allocations", dict(row, allocations_at_peak=peak))
+            collection.after_prompt()
 
 
 if __name__ == "__main__":
