@@ -630,7 +630,8 @@ class ServerCollection:
     """The garbage collection ComfyUI's server runs after a prompt (0.3.75 main.py ``prompt_worker``: ``gc.collect()``
     and ``soft_empty_cache()`` once at least 10 s passed since the last), which the check's in-process executor does
     not: without it a previous workflow's models, held only in reference cycles, stay loaded in this process as they
-    would not in a server (on the H200 a 24 GB card then loaded the next workflow's models again every prompt)."""
+    would not in a server (likely why, on the H200, a 24 GB card loaded the next workflow's models again every
+    prompt: 2026-12-05, session 27)."""
 
     INTERVAL_S = 10.0
 
