@@ -13,10 +13,10 @@ usable memory.
 Time: each model's runs at the measured cost of its form (``costs``), plus the bytes it moves each prompt at the
 measured bandwidth (pinned for streamed weights and for the host copy a per-prompt model keeps, the text encoder,
 the PE or an FP8 DiT without LoRA, where core may pin them all; pageable for whole loads of the others, in and out;
-for core's
-partial loading the rates it reached on the H200, ``CORE_STREAMING`` and ``CORE_RELOAD``). Every combination is
-tried (a handful of forms and places per model). Where every model can stay on the GPU at once, the plan keeps them
-there: it moves nothing per prompt, which no measured cost beats on a card whose link other programs share.
+for core's partial loading the rates it reached on the H200, ``CORE_STREAMING`` and ``CORE_RELOAD``). Every
+combination is tried (a handful of forms and places per model). Where every model can stay on the GPU at once, the
+plan keeps them there: it moves nothing per prompt, which no measured cost beats on a card whose link other programs
+share.
 Otherwise the plan is the fastest possible one, then the one whose first prompt is fastest, then the one that moves
 fewest bytes. A larger card only adds possible combinations or makes a partial DiT keep more, so the predicted warm
 time never rises as memory grows, but where the all-resident rule would pick a slower plan than a mix that moves
@@ -217,8 +217,8 @@ def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | No
     # RAM has room (``card.pinnable``); else weights stream from pageable memory, more slowly, and no copy is kept.
     pinned = sum(form.weight_bytes for record, form, place in choice
                  if place == STREAMED or place == PER_PROMPT and _keeps_host_copy(record, form, lora))
-    room = pinned <= card.pinnable
-    host_rate = costs.pinned if room else costs.pageable
+    pins_fit = pinned <= card.pinnable
+    host_rate = costs.pinned if pins_fit else costs.pageable
     warm = first = 0.0
     placements = []
     for record, form, place in choice:
@@ -244,7 +244,7 @@ def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | No
             # Loaded whole for its stage and moved back to the host when the next model needs the room; a model that
             # keeps its host copy is only copied in.
             moved = form.weight_bytes
-            kept = room and _keeps_host_copy(record, form, lora)
+            kept = pins_fit and _keeps_host_copy(record, form, lora)
             seconds = record.runs * run + (moved / costs.pinned if kept else 2 * moved / costs.pageable)
         else:
             seconds = record.runs * run
