@@ -16,10 +16,9 @@ the PE or an FP8 DiT without LoRA, where core may pin them all; pageable for who
 for core's partial loading the rates it reached on the H200, ``CORE_STREAMING`` and ``CORE_RELOAD``). Every
 combination is tried (a handful of forms and places per model). Where every model can stay on the GPU at once, the
 plan keeps them there: it moves nothing per prompt, which no measured cost beats on a card whose link other programs
-share.
-Otherwise the plan is the fastest possible one, then the one whose first prompt is fastest, then the one that moves
-fewest bytes. A larger card only adds possible combinations or makes a partial DiT keep more, so the predicted warm
-time never rises as memory grows, but where the all-resident rule would pick a slower plan than a mix that moves
+share. Otherwise the plan is the fastest possible one, then the one whose first prompt is fastest, then the one that
+moves fewest bytes. A larger card only adds possible combinations or makes a partial DiT keep more, so the predicted
+warm time never rises as memory grows, but where the all-resident rule would pick a slower plan than a mix that moves
 weights: the tests check over every size from 4 to 48 GiB that it does not for ERNIE-Image's models.
 """
 
