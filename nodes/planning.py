@@ -24,7 +24,15 @@ from .dit.vae import decode_memory
 from .errors import ErnieImageError
 from .gguf.reader import read_gguf
 from .host.memory import torch_device
-from .host.plan import pinnable, placement_fixed, step_estimate, total_memory, usable_for_models, working_floor
+from .host.plan import (
+    host_room,
+    pinnable,
+    placement_fixed,
+    step_estimate,
+    total_memory,
+    usable_for_models,
+    working_floor,
+)
 from .host.probe import costs_here
 from .host.sampling import Interrupted
 from .ministral_file import IGNORED, LM_HEADS
@@ -337,7 +345,7 @@ def make_plan(prompt: Mapping) -> Plan | None:
         return kept
     try:
         found, lora = records(want, device)
-        made = plan(found, Card(usable, pinnable()), costs, lora) if found else None
+        made = plan(found, Card(usable, pinnable(), host_room()), costs, lora) if found else None
     except BelowFloor as below:
         raise ErnieImageError(below_floor_words(below, usable, total_memory(device) - usable, found)) from below
     except Interrupted:
@@ -350,6 +358,10 @@ def make_plan(prompt: Mapping) -> Plan | None:
         return None
     if all(kept.line() != made.line() for kept in _made.values()):  # the same plan again (a DiT loaded) is not news
         logging.info("ERNIE-Image: %s", made.line())
+        if made.over_host:
+            logging.warning("ERNIE-Image: these models need more host RAM than this machine has free, so the system "
+                            "may swap and prompts slow down many times over: close programs, or use smaller files "
+                            "(a GGUF DiT, the text encoder in fp8 or as a GGUF)")
     _made.clear()
     _made[key] = made
     return made

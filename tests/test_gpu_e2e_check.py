@@ -167,8 +167,10 @@ def test_the_plan_line_is_read_for_its_plan_and_predicted_warm_time():
     from checks.gpu.e2e_sweep import parse_plan
 
     plan = dict(usable_gib=10.9, predicted_s=2.0, plan="DiT GGUF Q4_K resident (5.0 GiB), text encoder fp8 streamed "
-                "(3.7 GB per prompt), VAE resident")
+                "(3.7 GB per prompt), VAE resident", host_gib=None)
     assert parse_plan(PLAN_LINE) == plan
+    assert parse_plan(PLAN_LINE + "; 3.6 GiB held in host RAM, more than the 2.0 GiB it has free: the system "
+                      "swaps") == plan | dict(host_gib=3.6)
     assert parse_plan("INFO: " + PLAN_LINE) == plan  # as the check's notes hold it
     assert parse_plan(PLAN_LINE.replace("VAE resident;", "VAE resident; LoRA merged;"))["plan"].endswith(
         "VAE resident; LoRA merged")  # the plan's own semicolons stay in it

@@ -114,3 +114,28 @@ def test_low_host_ram_keeps_no_copy_fault_injected(monkeypatch):
     patcher.load(GPU, full_load=True)
     with pytest.raises(NotImplementedError, match="meta"):
         patcher.detach()
+
+
+def test_the_host_ram_the_packs_models_hold_counts_each_storage_once_and_the_kept_copies():
+    """``held_on_host`` (what the plan may place anew, ``host/plan.host_room``): a tracked model's tensors on the
+    host, a storage two of them share once; loaded on the GPU, nothing, or the host copy it keeps where core unloaded
+    it once; nothing once it is gone."""
+    before = host_copy.held_on_host()
+    patcher, container = _patcher()
+    model = container.module
+    shared = torch.nn.Parameter(model[0].weight.detach().view(-1)[:512].view(8, 64))  # a view of [0]'s storage
+    model[2].weight = shared
+    weights = sum(t.untyped_storage().nbytes() for t in (model[0].weight, model[0].bias, model[1].weight,
+                                                         model[1].bias, model[2].bias))
+    host_copy.track(container)
+    assert host_copy.held_on_host() - before == weights
+    patcher.load(GPU, full_load=True)  # resident: nothing left on the host
+    assert host_copy.held_on_host() == before
+    kept_patcher, kept = _patcher()
+    host_copy.track(kept)
+    host_copy.before_unload(kept, CPU)  # core's first unload (see the module's docstring): the next load keeps
+    kept_patcher.load(GPU, full_load=True)
+    assert all(p.device == GPU for p in kept.parameters())
+    assert host_copy.held_on_host() - before == sum(p.untyped_storage().nbytes() for p in _patcher()[1].parameters())
+    del patcher, container, model, shared, kept_patcher, kept
+    assert host_copy.held_on_host() == before

@@ -8,7 +8,14 @@ import dataclasses
 import pytest
 
 from comfyui_ernie_image.nodes.plan.describe import Tensor, language_model_record
-from comfyui_ernie_image.nodes.plan.planner import BESIDE_MODELS, BelowFloor, Card, plan
+from comfyui_ernie_image.nodes.plan.planner import (
+    BESIDE_MODELS,
+    SWAP_BYTES_PER_S,
+    UNBOUNDED,
+    BelowFloor,
+    Card,
+    plan,
+)
 from comfyui_ernie_image.nodes.plan.records import (
     CPU,
     DIT,
@@ -28,20 +35,21 @@ GRAPHS = [dict(gguf=gguf, lora=lora, pe=pe) for gguf in (True, False) for lora i
 PINNABLE = 16 * GIB
 
 
-def _sweep(**kinds):
+def _sweep(host: int = UNBOUNDED, **kinds):
     records, lora = graph(**kinds)
     plans = []
     for size in SIZES:
         try:
-            plans.append((size, plan(records, Card(int(size * GIB), PINNABLE), costs(), lora)))
+            plans.append((size, plan(records, Card(int(size * GIB), PINNABLE, host), costs(), lora)))
         except BelowFloor:
             plans.append((size, None))
     return records, lora, plans
 
 
+@pytest.mark.parametrize("host", [UNBOUNDED, 8 * GIB], ids=["ample-host-ram", "8-gib-host-ram"])
 @pytest.mark.parametrize("kinds", GRAPHS, ids=lambda k: "-".join(n for n, on in k.items() if on) or "turbo")
-def test_more_memory_never_predicts_a_slower_prompt_and_no_plan_exceeds_the_card(kinds):
-    records, lora, plans = _sweep(**kinds)
+def test_more_memory_never_predicts_a_slower_prompt_and_no_plan_exceeds_the_card(kinds, host):
+    records, lora, plans = _sweep(host, **kinds)
     made = [(size, p) for size, p in plans if p is not None]
     assert made and made[-1][0] == 48  # every graph has a plan on the larger cards
     assert [p is None for _, p in plans] == sorted((p is None for _, p in plans), reverse=True)  # the floor, then plans
@@ -281,3 +289,37 @@ def test_a_per_prompt_fp8_dit_keeps_its_host_copy_but_not_with_a_lora():
         assert dit.form.name == "FP8 (torchao)" and dit.place == PER_PROMPT
         run = rates.seconds[dit.form.compute] * dit.form.compiled
         assert dit.seconds == pytest.approx(8 * run + expected(dit.form.weight_bytes)), with_lora
+
+
+def test_the_plan_keeps_the_models_within_the_host_ram_the_machine_leaves_them():
+    """The PE workflow on a 12 GB card (11.1 GiB usable): with RAM to spare the plan holds the PE, the text encoder
+    and the DiT in host RAM between their stages, more than a 32 GB machine with a browser open leaves (14 GiB
+    here); there it picks the fastest plan within that, and the line says what it holds."""
+    records, lora = graph(gguf=False, pe=True)
+    usable = int(11.1 * GIB)
+    spacious = plan(records, Card(usable, PINNABLE), costs(), lora)
+    room = 14 * GIB
+    assert spacious.host > room, spacious.line()
+    tight = plan(records, Card(usable, PINNABLE, room), costs(), lora)
+    assert tight.host <= room and not tight.over_host, tight.line()
+    assert tight.warm >= spacious.warm
+    assert f"; {tight.host / GIB:.1f} GiB held in host RAM" in tight.line()
+    for placement in tight.placements:  # what is not on the GPU between stages is on the host
+        whole = placement.form.weight_bytes + (lora.patch_bytes if lora and placement.role == DIT else 0)
+        assert placement.host_bytes >= whole - placement.gpu_bytes, tight.line()
+
+
+def test_where_no_plan_fits_the_host_ram_the_plan_prices_the_swapping_and_says_so():
+    """The PE workflow on a 12 GB card of a machine that leaves its models 8 GiB: every plan holds more, so each is
+    priced with the bytes over written out and read back each prompt; the chosen one says so and beats the one
+    that swaps less (the PE in fp8 on the CPU, 64 tokens at the CPU's pace)."""
+    records, lora = graph(gguf=False, pe=True)
+    usable, room = int(11.1 * GIB), 8 * GIB
+    chosen = plan(records, Card(usable, PINNABLE, room), costs(), lora)
+    assert chosen.over_host and "more than the 8.0 GiB it has free: the system swaps" in chosen.line()
+    unpriced = sum(p.seconds for p in chosen.placements)
+    assert chosen.warm == pytest.approx(unpriced + 2 * (chosen.host - room) / SWAP_BYTES_PER_S)
+    on_cpu = [dataclasses.replace(r, places=(CPU,), fixed_form="fp8_e4m3fn") if r.role == PROMPT_ENHANCER else r
+              for r in records]
+    least = plan(on_cpu, Card(usable, PINNABLE, room), costs(), lora)
+    assert least.host < chosen.host and least.warm > chosen.warm, (least.line(), chosen.line())

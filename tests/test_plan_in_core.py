@@ -17,6 +17,7 @@ from helpers.plan_files import sparse_gguf_dit, sparse_safetensors, sparse_text_
 from helpers.plan_records import GIB, costs
 
 CONTEXT = int(0.5 * GIB)  # what a CUDA context takes of a real card, outside torch's allocator
+HOST_ROOM = 48 * GIB
 
 
 @pytest.fixture(autouse=True)
@@ -46,6 +47,7 @@ def card(monkeypatch):
                             (total - CONTEXT, 0) if torch_free_too else total - CONTEXT)
         monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 16 * GIB)  # core's bound on an NVIDIA machine of 17 GiB
         monkeypatch.setattr(planning, "costs_here", lambda device: costs())
+        monkeypatch.setattr(planning, "host_room", lambda: HOST_ROOM)  # the host RAM of a 64 GB machine, not CI's
         monkeypatch.setenv(planning.STREAM_TEXT_ENCODER_ENV, "on")
         planning._made.clear()
         planning._unmeasured.clear()
@@ -472,3 +474,32 @@ def test_a_dit_loaded_in_one_form_is_planned_in_it_until_its_loader_runs_again_o
     tiny = tiny_models["single_file"]
     ErnieImageDiTLoader.execute(f"diffusion_models/{tiny.name}", "default", "auto")
     assert session.held_form(DIT, str(tiny)) in ("none/default", "none/fp8_e4m3fn")
+
+
+def test_a_machine_short_of_host_ram_gets_a_plan_that_says_it_swaps_on_a_faked_10gb_card_and_16gb_machine(
+        card, true_size_files, monkeypatch, caplog):
+    """The host RAM the plan may fill is what the machine has available, less what the pack leaves to the system
+    (``host/memory.spare_host_memory``: 4 GiB here), plus what the pack's models hold now. On a 16 GB machine with 6
+    GiB available, the GGUF workflow's streamed text encoder (3.6 GiB on the host) does not fit in the 2 GiB left:
+    the plan prices the swapping and says so, and the log warns what to do. With RAM to spare it says neither."""
+    import psutil
+
+    from comfyui_ernie_image.nodes import planning
+    from comfyui_ernie_image.nodes.host import host_copy
+    from comfyui_ernie_image.nodes.host import plan as host_plan
+
+    card(10)
+    monkeypatch.setattr(planning, "host_room", host_plan.host_room)  # the real one, on a faked machine
+    total = 16 * GIB
+    for available, swaps in ((6 * GIB, True), (40 * GIB, False)):
+        machine = psutil.virtual_memory()._replace(total=total, available=available)
+        monkeypatch.setattr(psutil, "virtual_memory", lambda machine=machine: machine)
+        planning._made.clear()
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            plan = planning.make_plan(_gguf_graph())
+        assert plan.card.host == available - 4 * GIB + host_copy.held_on_host()
+        assert plan.over_host is swaps, plan.line()
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("more host RAM than this machine has free" in w for w in warned) is swaps
+        assert ("the system swaps" in plan.line()) is swaps

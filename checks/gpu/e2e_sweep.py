@@ -17,20 +17,21 @@ import statistics
 from pathlib import Path
 
 # The pack's line for a plan, e.g. "ERNIE-Image: plan for 10.9 GiB usable: DiT GGUF Q4_K resident (5.0 GiB), text
-# encoder fp8 streamed (3.7 GB per prompt), VAE resident; predicted warm 2.0 s". The plan's text runs to the last
-# "; predicted warm" (it may hold semicolons of its own).
+# encoder fp8 streamed (3.7 GB per prompt), VAE resident; predicted warm 2.0 s; 3.6 GiB held in host RAM" (the
+# host RAM since 2026-12-05). The plan's text runs to the last "; predicted warm" (it may hold semicolons of its own).
 PLAN = re.compile(r"ERNIE-Image: plan for (?P<usable>\d+(?:\.\d+)?) GiB usable: (?P<plan>.*); "
-                  r"predicted warm (?P<predicted>\d+(?:\.\d+)?) s")
+                  r"predicted warm (?P<predicted>\d+(?:\.\d+)?) s(?:; (?P<host>\d+(?:\.\d+)?) GiB held in host RAM)?")
 PREDICTION_BOUND = 0.3  # issue 43: the measured warm prompt within ±30 % of the predicted one
 
 
 def parse_plan(line: str) -> dict | None:
-    """The plan line's usable GiB, the plan's text and the predicted warm seconds; None for any other line."""
+    """The plan line's usable GiB, the plan's text, the predicted warm seconds and the host RAM its models hold (None
+    in a line from before it said); None for any other line."""
     match = PLAN.search(line)
     if match is None:
         return None
     return dict(usable_gib=float(match["usable"]), plan=match["plan"].strip(),
-                predicted_s=float(match["predicted"]))
+                predicted_s=float(match["predicted"]), host_gib=float(match["host"]) if match["host"] else None)
 
 
 def maxima(runs: list[dict], *keys: str) -> list[float]:
@@ -99,8 +100,11 @@ def sweep_row(runs: list[dict]) -> str:
     first = next((f"{r['seconds']:.1f}" for r in runs if r.get("run") == "first" and r.get("seconds")), "-")
     trouble = [r["oom_retry_fallback"] for r in runs if "oom_retry_fallback" in r]
     predicted = f"{plan['predicted_s']:.2f}" if plan else "no plan"
+    ram = host_ram(runs, digits=1) or "-"
+    if plan and plan["host_gib"] is not None:
+        ram += f"; the plan's models {plan['host_gib']:.1f}"
     cells = [where, runs[0]["workflow"], plan_text.replace("|", "/"), predicted, measured, ratio, first, _copied(runs),
-             gpu_peak(runs), host_ram(runs, digits=1) or "-", str(sum(trouble)) if trouble else "-", _result(runs)]
+             gpu_peak(runs), ram, str(sum(trouble)) if trouble else "-", _result(runs)]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -117,8 +121,8 @@ def sweep_table(rows: list[dict]) -> str:
 
     lines = ["| card GiB (usable per the plan) | workflow | plan | predicted warm s | measured warm s: median "
              "(min–max) | measured / predicted | first run s | copied host↔GPU in one warm prompt | peak GiB alloc / "
-             "reserved / NVML device (process) | host RAM peak GiB (anon, file) | out-of-memory / retry / fallback "
-             "lines | result |",
+             "reserved / NVML device (process) | host RAM peak GiB (anon, file); the plan's models | "
+             "out-of-memory / retry / fallback lines | result |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [sweep_row(groups[key]) for key in sorted(groups, key=order)]
     return "\n".join(lines)

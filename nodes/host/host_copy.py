@@ -29,6 +29,34 @@ from .streaming import clear_registration_error, in_own_pages
 
 _KEPT: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
 _UNLOADED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # unloaded by core once: loaded per prompt
+_MODELS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # the pack's models alive in this process
+
+
+def track(model: torch.nn.Module) -> torch.nn.Module:
+    """Count ``model`` (a DiT, text encoder or PE the pack made) in ``held_on_host`` while it lives."""
+    _MODELS.add(model)
+    return model
+
+
+def held_on_host() -> int:
+    """Host RAM the pack's models hold now: their tensors on the CPU and their kept host copies, each storage once
+    (a tensor subclass counted by its inner tensors)."""
+    seen: set[int] = set()
+    held = 0
+    for model in list(_MODELS):
+        tensors = [*model.parameters(), *model.buffers(), *_KEPT.get(model, {}).values()]
+        for tensor in (inner for t in tensors for inner in _plain(t)):
+            if tensor.device.type != "cpu" or tensor.untyped_storage().data_ptr() in seen:
+                continue
+            seen.add(tensor.untyped_storage().data_ptr())
+            held += tensor.untyped_storage().nbytes()
+    return held
+
+
+def _plain(tensor: torch.Tensor) -> list[torch.Tensor]:
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    return [inner for name in tensor.__tensor_flatten__()[0] for inner in _plain(getattr(tensor, name))]
 
 
 def before_unload(model: torch.nn.Module, device: torch.device) -> None:

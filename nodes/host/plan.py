@@ -17,6 +17,7 @@ import comfy.cli_args
 import comfy.model_management as mm
 import torch
 
+from . import host_copy
 from .memory import spare_host_memory, usable_memory
 from .patchers import core_has_dynamic_vram, is_dynamic
 
@@ -69,6 +70,13 @@ def pinnable() -> int:
     if not most or most <= 0:
         return 0
     return max(min(int(most) - int(getattr(mm, "TOTAL_PINNED_MEMORY", 0)), spare_host_memory()), 0)
+
+
+def host_room() -> int:
+    """Host RAM the graph's models may hold: what the pack may still take (``spare_host_memory``: available RAM less
+    what it leaves to the system) and what the pack's models hold there now (a plan places them anew). Models of an
+    earlier graph still alive count as room: ComfyUI frees them as its caches let them go."""
+    return max(spare_host_memory() + host_copy.held_on_host(), 0)
 
 
 def working_floor() -> int:

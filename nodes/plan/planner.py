@@ -14,19 +14,26 @@ Time: each model's runs at the measured cost of its form (``costs``), plus the b
 measured bandwidth (pinned for streamed weights and for the host copy a per-prompt model keeps, the text encoder,
 the PE or an FP8 DiT without LoRA, where core may pin them all; pageable for whole loads of the others, in and out;
 for core's partial loading the rates it reached on the H200, ``CORE_STREAMING`` and ``CORE_RELOAD``). Every
-combination is tried (a handful of forms and places per model). Where every model can stay on the GPU at once, the
-plan keeps them there: it moves nothing per prompt, which no measured cost beats on a card whose link other programs
-share. Otherwise the plan is the fastest possible one, then the one whose first prompt is fastest, then the one that
-moves fewest bytes. A larger card only adds possible combinations or makes a partial DiT keep more, so the predicted
-warm time never rises as memory grows, but where the all-resident rule would pick a slower plan than a mix that moves
-weights: the tests check over every size from 4 to 48 GiB that it does not for ERNIE-Image's models.
+combination is tried (a handful of forms and places per model).
+
+Host RAM: what is not on the GPU between stages is in host RAM (a model on the CPU, streamed, loaded per prompt, or
+what a partial DiT does not keep or gives up). Where the models take more than the machine leaves them
+(``Card.host``), the system swaps the bytes over out and in each prompt, priced at a disk's rate
+(``SWAP_BYTES_PER_S``), and the plan's line says so.
+
+Where every model can stay on the GPU at once, the plan keeps them there: it moves nothing per prompt, which no
+measured cost beats on a card whose link other programs share. Otherwise the plan is the fastest possible one, then
+the one whose first prompt is fastest, then the one that moves fewest bytes. A larger card only adds possible
+combinations or makes a partial DiT keep more, so the predicted warm time never rises as memory grows, but where the
+all-resident rule would pick a slower plan than a mix that moves weights: the tests check over every size from 4 to
+48 GiB that it does not for ERNIE-Image's models.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .costs import Costs
 from .records import CPU, DIT, PARTIAL, PER_PROMPT, RESIDENT, ROLES, STREAMED, Form, LoadRecord, LoraSet
@@ -34,6 +41,10 @@ from .records import CPU, DIT, PARTIAL, PER_PROMPT, RESIDENT, ROLES, STREAMED, F
 GIB = 2**30
 LOAD_MARGIN = 1.1  # core frees 1.1x a model's size before it loads it whole (model_management.load_models_gpu)
 DISK_BYTES_PER_S = 1e9  # the first prompt's read of the files (the same files in every plan: a tie-breaker only)
+# Models that hold more host RAM than the machine leaves them swap: each prompt runs every model once, so the system
+# writes the bytes over out and reads them back in, each way at a disk's rate (not measured: a plan within the host
+# RAM never pays it, and one over it says so in its line).
+SWAP_BYTES_PER_S = DISK_BYTES_PER_S
 # Core's partial loading against the probe's pinned copy (52 GB/s on the H200), fitted to session 25's rows
 # (bench/RESULTS.md, 2026-12-05): the offloaded layers stream one cast at a time, each waited for by its layer
 # (18 GB/s: the GGUF DiT on 6 and 7 GB cards and the fp8 DiT on 8 GB then predict within 0.83-1.10 x what they
@@ -47,13 +58,18 @@ CORE_RELOAD = 0.042
 BESIDE_MODELS = int(0.4 * GIB)
 
 
+UNBOUNDED = 1 << 60
+
+
 @dataclass(frozen=True)
 class Card:
     """``usable``: bytes the pack's models and their working memory may take on the GPU (what core would give
-    models, less what other processes hold); ``pinnable``: host bytes that may be pinned (core's bound)."""
+    models, less what other processes hold); ``pinnable``: host bytes that may be pinned (core's bound); ``host``:
+    host RAM the models may hold between their stages (what the system and other programs leave)."""
 
     usable: int
     pinnable: int
+    host: int = UNBOUNDED
 
 
 @dataclass(frozen=True)
@@ -64,6 +80,7 @@ class Placement:
     gpu_bytes: int  # held on the GPU across prompts (resident, or the part core keeps)
     copied: int  # bytes moved host → GPU each warm prompt
     seconds: float  # its share of a warm prompt
+    host_bytes: int = 0  # held in host RAM between stages: all of it but what stays on the GPU
 
     @property
     def role(self) -> str:
@@ -88,6 +105,17 @@ class Plan:
     def copied(self) -> int:
         return sum(p.copied for p in self.placements)
 
+    @property
+    def host(self) -> int:
+        """Host RAM the models hold between their stages."""
+        return sum(p.host_bytes for p in self.placements)
+
+    @property
+    def over_host(self) -> bool:
+        """Whether the models hold more host RAM than the card's machine leaves them: no plan of these files keeps
+        within it."""
+        return self.host > self.card.host
+
     def line(self) -> str:
         """The plan in one line, as the log states it."""
         parts = []
@@ -103,8 +131,11 @@ class Plan:
             if p.role == DIT and self.lora is not None:
                 what += f", {len(self.lora.sources)} LoRA ({self.lora.patch_bytes / 2**20:.0f} MiB with it)"
             parts.append(what)
+        host = f"{self.host / GIB:.1f} GiB held in host RAM"
+        if self.over_host:
+            host += f", more than the {max(self.card.host, 0) / GIB:.1f} GiB it has free: the system swaps"
         return (f"plan for {self.card.usable / GIB:.1f} GiB usable: {', '.join(parts)}; "
-                f"predicted warm {self.warm:.1f} s")
+                f"predicted warm {self.warm:.1f} s; {host}")
 
 
 class BelowFloor(ValueError):
@@ -249,7 +280,11 @@ def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | No
             seconds = record.runs * run
         warm += seconds
         first += seconds + record.first_read_bytes / DISK_BYTES_PER_S
-        placements.append(Placement(record, form, place, gpu, moved, seconds))
+        # What the GPU does not hold between stages is in host RAM: for a partial DiT, also what it gives up.
+        host = _held(record, form, lora_bytes) - gpu + (partial.lost if place == PARTIAL else 0)
+        placements.append(Placement(record, form, place, gpu, moved, seconds, host))
+    swapped = max(sum(p.host_bytes for p in placements) - card.host, 0)
+    warm, first = warm + 2 * swapped / SWAP_BYTES_PER_S, first + 2 * swapped / SWAP_BYTES_PER_S
     # The peak counts what the process holds beside the models: an out-of-memory error's measured peak compares to it.
     return warm, first, sum(p.copied for p in placements), peak + BESIDE_MODELS, tuple(placements)
 
@@ -286,13 +321,13 @@ def plan(records: Sequence[LoadRecord], card: Card, costs: Costs, lora: LoraSet 
 def _below_floor(records: list[LoadRecord], card: Card, costs: Costs, lora: LoraSet | None) -> BelowFloor:
     """The least usable memory at which these records have a plan (found by halving between the card and 1 TiB)."""
     low, high = max(card.usable, 0), 1 << 40
-    if _best(records, Card(high, card.pinnable), costs, lora) is None:
+    if _best(records, replace(card, usable=high), costs, lora) is None:
         return BelowFloor(high, ())
     while high - low > 2**24:
         middle = (low + high) // 2
-        if _best(records, Card(middle, card.pinnable), costs, lora) is None:
+        if _best(records, replace(card, usable=middle), costs, lora) is None:
             low = middle
         else:
             high = middle
-    lowest = _best(records, Card(high, card.pinnable), costs, lora)
+    lowest = _best(records, replace(card, usable=high), costs, lora)
     return BelowFloor(high, lowest.placements if lowest else ())
