@@ -24,14 +24,14 @@ from comfyui_ernie_image.nodes.pe.nodes import (
 from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, SamplingParams
 from comfyui_ernie_image.nodes.pe.remote.enhancer import RemotePromptEnhancer
 from comfyui_ernie_image.nodes.pe.runtime import Runtime
-from helpers.pe_servers import FaultServer, RecordingProxy, chat_reply
+from helpers.pe_servers import FaultServer, RecordingProxy, chat_reply, reserved_port
 from scripts.comfy_headless import free_port
 
 # The headless ComfyUI inherits this process's environment when it starts: set the key, the server it is bound to,
 # and another service's secret that no workflow may name, before any test runs.
 KEY_ENV = "ERNIE_PE_API_KEY_E2E"
 SECRET = "sk-e2e-4f3c2b1a0987654321"
-KEY_SERVER_PORT = free_port()  # the e2e server the key is for, started by the test that uses it
+KEY_SERVER_PORT = reserved_port()  # the e2e server the key is for, started by the test that uses it
 os.environ[KEY_ENV] = SECRET
 os.environ[f"{KEY_ENV}_URL"] = f"http://127.0.0.1:{KEY_SERVER_PORT}"
 FOREIGN_ENV, FOREIGN_SECRET = "AWS_SECRET_ACCESS_KEY", "aws-e2e-secret-0123456789"

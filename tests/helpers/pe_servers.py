@@ -7,7 +7,9 @@ import http.client
 import itertools
 import json
 import os
+import random
 import shutil
+import socket
 import ssl
 import subprocess
 import sys
@@ -21,6 +23,20 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from scripts.comfy_headless import free_port, wait_until_serving
+
+
+def reserved_port() -> int:
+    """A free port that stays free until a server is started on it later in the run: below every system's range of
+    ports handed out on demand (Linux from 32768, macOS and Windows from 49152), where a port taken early from that
+    range (``free_port``) may be handed to another test's server first ("Address already in use" minutes later)."""
+    for port in random.sample(range(20000, 32000), 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port between 20000 and 32000")
 
 
 @dataclass
