@@ -56,9 +56,7 @@ CORE_RELOAD = 0.042
 # streamed text encoder's buffers): on the H200's 8 GB card core found 0.51 GiB less free before the decode than the
 # plan counted with the LoRA, and with no LoRA at most 0.43 (it unloaded nothing) (2026-12-05).
 BESIDE_MODELS = int(0.4 * GIB)
-
-
-UNBOUNDED = 1 << 60
+UNBOUNDED = 1 << 60  # a machine whose host RAM no plan fills (the planner's tests of GPU memory alone)
 
 
 @dataclass(frozen=True)
@@ -112,8 +110,8 @@ class Plan:
 
     @property
     def over_host(self) -> bool:
-        """Whether the models hold more host RAM than the card's machine leaves them: no plan of these files keeps
-        within it."""
+        """Whether the models hold more host RAM than the machine leaves them (the predicted times count the
+        swapping)."""
         return self.host > self.card.host
 
     def line(self) -> str:
