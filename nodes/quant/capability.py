@@ -6,7 +6,9 @@ GPU architecture, installed kernels and torchao is testable on any machine.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -102,16 +104,37 @@ def halving_method(arch: Arch | None) -> str | None:
     return next((name for name in HALVING if arch is not None and METHODS[name].runs_on(arch)), None)
 
 
+@functools.cache
+def svdq_kernels() -> tuple[bool, str]:
+    """Whether cache-dit's SVDQuant kernels load here, and why not.
+
+    They are loaded first on a thread of their own: cache-dit keeps the exception of that first load for the
+    process's life (``cache_dit.kernels.cuda._svdquant._cached_load_error``), and its traceback's frames keep their
+    callers' frames and locals with them. Loaded from a loader, those were the DiT loader's frames, so the first DiT
+    a process made was never freed (with cache-dit 1.5.3, on every machine without the kernels)."""
+    found: dict = {}
+
+    def load() -> None:
+        from cache_dit.quantization import svdq_get_load_error, svdq_is_available
+
+        found["kernels"] = (svdq_is_available(), str(svdq_get_load_error() or ""))
+
+    thread = threading.Thread(target=load, name="ERNIE-Image: SVDQuant kernels", daemon=True)
+    thread.start()
+    thread.join()
+    return found.get("kernels", (False, "cache-dit's SVDQuant kernels could not be checked"))
+
+
 def probe(device: torch.device) -> Facts:
     """The facts of this machine for ``device``."""
     import cache_dit
-    from cache_dit.quantization import svdq_get_load_error, svdq_is_available
 
+    kernels, error = svdq_kernels()
     common = dict(
         device=str(device),
         torchao=importlib.util.find_spec("torchao") is not None,
-        svdq_kernels=svdq_is_available(),
-        svdq_error=str(svdq_get_load_error() or ""),
+        svdq_kernels=kernels,
+        svdq_error=error,
         cache_dit=cache_dit.__version__,
     )
     if device.type != "cuda":
