@@ -7,6 +7,7 @@ took from 18 s to 154 s (bench/RESULTS.md, "Fast path on Hopper"), too long and 
 from __future__ import annotations
 
 import functools
+import weakref
 from pathlib import Path
 
 import torch
@@ -52,16 +53,19 @@ def make_vae(state_dict: dict[str, torch.Tensor], source: str):
     vae.first_stage_model.bn_eps = TRAINED_BN_EPS
     decode_in_row_slabs(vae.first_stage_model.decoder)
     vae.memory_used_decode = decode_memory  # core reads it before each decode (VAE.decode and decode_tiled)
-    vae.decode = _timed(vae.decode)
+    vae.decode = _timed(vae)
     return vae
 
 
-def _timed(decode):
-    """The decode, after which the log states the prompt's time beside the plan's prediction (the decode ends a
-    prompt)."""
-    @functools.wraps(decode)
+def _timed(vae):
+    """``vae``'s decode, after which the log states the prompt's time beside the plan's prediction (the decode ends a
+    prompt). It refers to ``vae`` weakly: held by the VAE itself, a strong reference would make a cycle that keeps
+    the VAE alive until a garbage collection after its last user drops it."""
+    decode = weakref.WeakMethod(vae.decode)
+
+    @functools.wraps(type(vae).decode)
     def timed(*args, **kwargs):
-        images = decode(*args, **kwargs)
+        images = decode()(*args, **kwargs)
         session.prompt_finished()
         return images
     return timed
