@@ -339,3 +339,20 @@ def test_the_worker_collects_garbage_after_a_prompt_as_comfyuis_server_does():
         assert second() is None
     finally:
         gc.enable()
+
+
+def test_the_worker_counts_the_models_alive_after_a_collection_loaded_or_not():
+    """A row's ``alive``: the pack's and core's VAE models left after a garbage collection, cycles collected (a
+    model kept only by a cycle is not counted; one kept by a reference is)."""
+    from checks.gpu.e2e_worker import alive_models
+
+    class ErnieImageModel(torch.nn.Module):  # the DiT's class name, as the pack's model has it
+        pass
+
+    before = alive_models().get("ErnieImageModel", 0)
+    kept, cycle = ErnieImageModel(), ErnieImageModel()
+    cycle.itself = [cycle]
+    del cycle
+    assert alive_models().get("ErnieImageModel", 0) == before + 1
+    del kept
+    assert alive_models().get("ErnieImageModel", 0) == before

@@ -299,6 +299,24 @@ def loaded_patchers() -> dict[str, str]:
     return held
 
 
+PACK_MODELS = ("ErnieImageModel", "TextEncoderModule", "PromptEnhancerModule", "AutoencoderKL")
+
+
+def alive_models() -> dict[str, int]:
+    """How many of the pack's models (and core's VAE models) are alive after a garbage collection, loaded or not: more
+    than the workflow's own shows a model kept by a reference it should not have (the first DiT of a process was,
+    until 2026-12-05: ``tests/test_models_freed.py``)."""
+    import torch
+
+    gc.collect()
+    alive: dict[str, int] = {}
+    for thing in gc.get_objects():
+        name = type(thing).__name__
+        if name in PACK_MODELS and isinstance(thing, torch.nn.Module):
+            alive[name] = alive.get(name, 0) + 1
+    return alive
+
+
 class NvmlPeak:
     """Device memory as NVML sees it, sampled every ``interval`` s in a thread while a run goes on: the whole
     device's (``used``: every process and allocator, comfy-aimdo's ``cuMemCreate`` too, which torch's peak
@@ -736,7 +754,8 @@ def main() -> None:
         turbo = graph if path.stem == "ernie_image_turbo" else turbo
         labels = ["first", "warm", *(f"warm {n}" for n in range(2, options.warm_runs + 1))]
         for run, label in enumerate(labels):
-            record(path.stem, label, prompt(variant(graph, run, options.pe_tokens, options.size, options.base_steps)))
+            row = prompt(variant(graph, run, options.pe_tokens, options.size, options.base_steps))
+            record(path.stem, label, row | (dict(alive=alive_models()) if run == len(labels) - 1 else {}))
         if path.stem == "ernie_image_pe_local":
             record(path.stem, "/free", dict(ok=True, **free(executor, nvml)))
             if turbo is not None:
