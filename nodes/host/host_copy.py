@@ -11,6 +11,9 @@ while the host RAM left is what the pack leaves to the system (``memory.spare_ho
 
 torchao's weights are tensor subclasses: their inner tensors are what is copied and pinned, and the weight is made
 again around them (``__tensor_unflatten__``, as torch's tracing does).
+
+The pack's models are tracked here while they live (``track``), so that the host RAM they hold, kept copies included,
+can be counted (``held_on_host``): the memory plan may place those bytes anew (``plan.host_room``).
 """
 
 from __future__ import annotations
