@@ -356,3 +356,13 @@ def test_the_worker_counts_the_models_alive_after_a_collection_loaded_or_not():
     assert alive_models().get("ErnieImageModel", 0) == before + 1
     del kept
     assert alive_models().get("ErnieImageModel", 0) == before
+
+
+def test_the_table_notes_more_models_of_a_kind_alive_than_a_workflow_uses():
+    from checks.gpu.gpu_e2e import table
+
+    row = dict(mode="card24", workflow="ernie_image_turbo_single_files", ok=True, seconds=1.1)
+    one = table([dict(row, run="warm", alive={"ErnieImageModel": 1, "TextEncoderModule": 1})])
+    two = table([dict(row, run="warm", alive={"ErnieImageModel": 2, "TextEncoderModule": 1})])
+    assert "alive after a collection" not in one
+    assert "alive after a collection: 2 ErnieImageModel" in two

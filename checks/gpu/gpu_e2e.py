@@ -375,6 +375,10 @@ def table(rows: list[dict], core: str = "0.3.75") -> str:
             notes.insert(0, f"allocated during a prompt at its peak: {peak['peak_gib']} GiB, reached by "
                          f"{peak['reached_by']}; largest: " + "; ".join(
                              f"{b['where']} {b['mib']} MiB" for b in peak["live"][:3]))
+        extra = {name: n for r in runs for name, n in r.get("alive", {}).items() if n > 1}
+        if extra:  # more of a kind alive after a collection than one workflow uses: a model kept that should go
+            notes.insert(0, "alive after a collection: " + ", ".join(
+                f"{n} {name}" for name, n in sorted(extra.items())))
         slowest = list(by_run.get("warm", {}).get("nodes_s", {}).items())[:3]
         if slowest:  # where a warm prompt's time goes (model moves land in the node that needs the model)
             notes.insert(0, "warm: " + ", ".join(f"{node.split(' ', 1)[-1]} {s:.1f} s" for node, s in slowest))
