@@ -28,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .memory import spare_host_memory
+from .sizes import plain_tensors
 from .streaming import clear_registration_error, in_own_pages
 
 _KEPT: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
@@ -48,18 +49,12 @@ def held_on_host() -> int:
     held = 0
     for model in list(_MODELS):
         tensors = [*model.parameters(), *model.buffers(), *_KEPT.get(model, {}).values()]
-        for tensor in (inner for t in tensors for inner in _plain(t)):
+        for tensor in (inner for t in tensors for inner in plain_tensors(t)):
             if tensor.device.type != "cpu" or tensor.untyped_storage().data_ptr() in seen:
                 continue
             seen.add(tensor.untyped_storage().data_ptr())
             held += tensor.untyped_storage().nbytes()
     return held
-
-
-def _plain(tensor: torch.Tensor) -> list[torch.Tensor]:
-    if not is_traceable_wrapper_subclass(tensor):
-        return [tensor]
-    return [inner for name in tensor.__tensor_flatten__()[0] for inner in _plain(getattr(tensor, name))]
 
 
 def before_unload(model: torch.nn.Module, device: torch.device) -> None:

@@ -12,12 +12,16 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
+def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold ``tensor``'s data: itself, or a tensor subclass's (torchao's) inner ones."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    return [inner for name in tensor.__tensor_flatten__()[0] for inner in plain_tensors(getattr(tensor, name))]
+
+
 def tensor_bytes(tensor: torch.Tensor) -> int:
     """The memory a tensor holds. A quantized (torchao) weight reports its original dtype, so count what it wraps."""
-    if is_traceable_wrapper_subclass(tensor):
-        names, _ = tensor.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(tensor, name)) for name in names)
-    return tensor.nelement() * tensor.element_size()
+    return sum(t.nelement() * t.element_size() for t in plain_tensors(tensor))
 
 
 def module_bytes(module: torch.nn.Module) -> int:

@@ -78,7 +78,7 @@ class Placement:
     gpu_bytes: int  # held on the GPU across prompts (resident, or the part core keeps)
     copied: int  # bytes moved host → GPU each warm prompt
     seconds: float  # its share of a warm prompt
-    host_bytes: int = 0  # held in host RAM between stages: all of it but what stays on the GPU
+    host_bytes: int  # held in host RAM between stages: all of it but what stays on the GPU
 
     @property
     def role(self) -> str:
