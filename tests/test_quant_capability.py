@@ -3,6 +3,7 @@ the facts (no GPU here), and the facts this CPU machine really has."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -149,3 +150,26 @@ def test_probe_reads_this_cpu_machine():
     assert facts.cache_dit == cache_dit.__version__
     assert not facts.svdq_kernels and "_C_svdquant" in facts.svdq_error  # the plain cache-dit wheel
     assert facts.torchao  # an optional extra for users, in the test environment for test_lora_quantized.py
+
+
+def test_kernels_that_cannot_be_checked_say_why_injected_fault(monkeypatch):
+    """cache-dit's check itself failing (a broken install: a fault a working one cannot give) leaves the SVDQuant
+    methods unavailable, with the cause in the words an SVDQuant refusal quotes beside what to install."""
+    import cache_dit.quantization
+
+    from comfyui_ernie_image.nodes.quant.capability import svdq_kernels
+
+    def broken() -> bool:
+        raise OSError("libcudart.so.13: cannot open shared object file")
+
+    monkeypatch.setattr(cache_dit.quantization, "svdq_is_available", broken)
+    svdq_kernels.cache_clear()
+    try:
+        facts = probe(torch.device("cpu"))
+    finally:
+        svdq_kernels.cache_clear()
+    assert not facts.svdq_kernels
+    assert facts.svdq_error == "its check failed: OSError: libcudart.so.13: cannot open shared object file"
+    refusal = problem("svdq_int4_r32_dq", dataclasses.replace(facts, arch=(8, 9), gpu="NVIDIA GeForce RTX 4090"), BF16)
+    assert ("does not have (its check failed: OSError: libcudart.so.13: cannot open shared object file). Install the "
+            "build that carries them") in refusal
