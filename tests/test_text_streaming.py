@@ -135,8 +135,10 @@ def test_each_weight_the_stream_pins_has_host_pages_of_its_own_with_cores_pinnin
     """Core pins a weight by registering the host pages it lies in with CUDA (``cudaHostRegister``); a range that
     shares a page with one registered before is refused, and 0.3.75 leaves that error for the next kernel to raise
     (upstream clears it). The weights copied out of the file before pinning were heap allocations, neighbours
-    sharing pages; each now has pages of its own and encodes the same. (Core's pinning runs with its limit spent,
-    ``MAX_PINNED_MEMORY`` 1 byte, so it registers nothing on this CPU.)"""
+    sharing pages; each now has pages of its own and encodes the same. Its storage starts where it does: torch's
+    ``is_pinned`` and core's guard against registering twice read a storage's first byte, which lay before the
+    registered pages (the H100, session 29). (Core's pinning runs with its limit spent, ``MAX_PINNED_MEMORY`` 1 byte,
+    so it registers nothing on this CPU.)"""
     monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 1)
     file = tiny_models["text_encoder_file"]
     with torch.inference_mode():
@@ -145,4 +147,5 @@ def test_each_weight_the_stream_pins_has_host_pages_of_its_own_with_cores_pinnin
     page, weights = mmap.PAGESIZE, list(streamed.encoder.language_model.layers.parameters())
     spans = sorted((t.data_ptr() // page, (t.data_ptr() + t.nbytes - 1) // page) for t in weights)
     assert len(spans) > 2 and all(t.data_ptr() % page == 0 for t in weights)
+    assert all(t.untyped_storage().data_ptr() == t.data_ptr() for t in weights)
     assert all(last < first for (_, last), (first, _) in zip(spans, spans[1:], strict=False)), spans

@@ -50,13 +50,14 @@ def pin_weights(patcher: ModelPatcher, keys: list[str]) -> int:
 
 
 def in_own_pages(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of ``tensor`` in host pages no other tensor lies in. CUDA registers whole pages, and a range sharing a
-    page with one registered before is refused (``cudaErrorHostMemoryAlreadyRegistered``) unless core's guard sees
-    it (``tensor.is_pinned()`` reads the first byte's page only); plain copies were heap neighbours sharing pages."""
-    page = mmap.PAGESIZE
-    buffer = torch.empty(tensor.nbytes + 2 * page, dtype=torch.uint8)
-    start = -buffer.data_ptr() % page  # the allocator's alignment (64) divides it: any dtype's view fits
-    return buffer[start:start + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    """A copy of ``tensor`` in host pages of its own, its storage starting on the first. CUDA registers whole pages,
+    and a range sharing a page with one registered before is refused (``cudaErrorHostMemoryAlreadyRegistered``);
+    plain copies were heap neighbours sharing pages. torch's ``is_pinned`` (and with it core's guard against
+    registering twice, and a non-blocking copy's choice) reads the storage's first byte: a copy whose storage began
+    before its first page read as unpinned once registered (bench/RESULTS.md, session 29). An anonymous map is
+    page-aligned and private; it is unmapped when the tensor is freed."""
+    pages = torch.frombuffer(mmap.mmap(-1, max(tensor.nbytes, 1)), dtype=torch.uint8)
+    return pages[:tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
 
 def clear_registration_error() -> None:
