@@ -15,8 +15,14 @@ import pytest
 import torch
 from torch.testing._internal.two_tensor import TwoTensor
 
+from comfyui_ernie_image.nodes.dit.gguf import load_gguf_dit
+from comfyui_ernie_image.nodes.dit.model import make_model_patcher
 from comfyui_ernie_image.nodes.host import host_copy
 from comfyui_ernie_image.nodes.host.patchers import ManagedModule, WholeModelPatcher
+from comfyui_ernie_image.nodes.lora.patching import apply_lora
+from helpers import lora as lora_helpers
+from scripts.gguf_writer import mixed_kind, write_gguf
+from scripts.tiny_models import tiny_dit_state
 
 CPU, GPU = torch.device("cpu"), torch.device("meta")
 
@@ -127,15 +133,37 @@ def test_the_host_ram_the_packs_models_hold_counts_each_storage_once_and_the_kep
     model[2].weight = shared
     weights = sum(t.untyped_storage().nbytes() for t in (model[0].weight, model[0].bias, model[1].weight,
                                                          model[1].bias, model[2].bias))
-    host_copy.track(container)
+    host_copy.track(patcher)
     assert host_copy.held_on_host() - before == weights
     patcher.load(GPU, full_load=True)  # resident: nothing left on the host
     assert host_copy.held_on_host() == before
     kept_patcher, kept = _patcher()
-    host_copy.track(kept)
+    host_copy.track(kept_patcher)
     host_copy.before_unload(kept, CPU)  # core's first unload (see the module's docstring): the next load keeps
     kept_patcher.load(GPU, full_load=True)
     assert all(p.device == GPU for p in kept.parameters())
     assert host_copy.held_on_host() - before == sum(p.untyped_storage().nbytes() for p in _patcher()[1].parameters())
     del patcher, container, model, shared, kept_patcher, kept
     assert host_copy.held_on_host() == before
+
+
+def test_the_host_ram_counts_the_originals_core_keeps_of_a_loras_weights(tmp_path):
+    """Core keeps the original of each weight a LoRA patches on the offload device while the patched one is loaded
+    (``ModelPatcher.patch_weight_to_device``'s backup): a GGUF DiT with a LoRA, loaded on the "GPU", still holds the
+    patched layers' blocks on the host, which ``held_on_host`` counts; unpatched, they are the layers' own again,
+    counted once."""
+    before = host_copy.held_on_host()
+    plain = make_model_patcher(load_gguf_dit(write_gguf(tmp_path / "dit.gguf", tiny_dit_state(), mixed_kind),
+                                             torch.float32))
+    patched, report = apply_lora(plain, lora_helpers.lora_file("ai-toolkit", lora_helpers.deltas(
+        lora_helpers.LAYERS, 1)), 1.0, "tiny.safetensors")
+    assert report.applied == len(lora_helpers.LAYERS), report.text()
+    patched.load(GPU, full_load=True)
+    assert all(p.device == GPU for p in patched.model.parameters())
+    originals = {saved.weight.untyped_storage().data_ptr(): saved.weight.untyped_storage().nbytes()
+                 for saved in patched.backup.values()}
+    assert len(originals) == len(lora_helpers.LAYERS) and all(
+        saved.weight.device == CPU for saved in patched.backup.values())
+    assert host_copy.held_on_host() - before == sum(originals.values())
+    patched.unpatch_model()  # the originals back in their layers (the others stay on the "GPU")
+    assert not patched.backup and host_copy.held_on_host() - before == sum(originals.values())

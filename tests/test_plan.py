@@ -323,3 +323,21 @@ def test_where_no_plan_fits_the_host_ram_the_plan_prices_the_swapping_and_says_s
               for r in records]
     least = plan(on_cpu, Card(usable, PINNABLE, room), costs(), lora)
     assert least.host < chosen.host and least.warm > chosen.warm, (least.line(), chosen.line())
+
+
+@pytest.mark.parametrize("gguf", [True, False], ids=["gguf", "turbo"])
+def test_a_dit_with_a_lora_holds_its_weights_and_the_lora_in_host_ram_wherever_it_runs(gguf):
+    """Core keeps the original of each weight a LoRA patches on the offload device while the patched one is loaded
+    (``ModelPatcher.patch_weight_to_device``'s backup), and the LoRA's tensors stay there: resident, partial or loaded
+    per prompt, a DiT with a LoRA holds its weights and the LoRA in host RAM; without one, a resident DiT holds
+    none."""
+    records, lora = graph(gguf=gguf, lora=True)
+    places = set()
+    for size in (6, 7, 8, 12, 16, 24, 48):
+        chosen = plan(records, Card(int(size * GIB), PINNABLE), costs(), lora)
+        dit = chosen.of(DIT)
+        places.add(dit.place)
+        assert dit.host_bytes == dit.form.weight_bytes + lora.patch_bytes, chosen.line()
+    assert RESIDENT in places and places - {RESIDENT}, places
+    plain = plan(graph(gguf=gguf)[0], Card(48 * GIB, PINNABLE), costs())
+    assert plain.of(DIT).place == RESIDENT and plain.of(DIT).host_bytes == 0

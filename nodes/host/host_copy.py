@@ -12,8 +12,9 @@ while the host RAM left is what the pack leaves to the system (``memory.spare_ho
 torchao's weights are tensor subclasses: their inner tensors are what is copied and pinned, and the weight is made
 again around them (``__tensor_unflatten__``, as torch's tracing does).
 
-The pack's models are tracked here while they live (``track``), so that the host RAM they hold, kept copies included,
-can be counted (``held_on_host``): the memory plan may place those bytes anew (``plan.host_room``).
+The pack's models are tracked here while they live (``track``), so that the host RAM they hold, kept copies and the
+originals of LoRA-patched weights included, can be counted (``held_on_host``): the memory plan may place those bytes
+anew (``plan.host_room``).
 """
 
 from __future__ import annotations
@@ -27,28 +28,33 @@ import psutil
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .memory import spare_host_memory
+from .memory import ModelPatcher, spare_host_memory
 from .sizes import plain_tensors
 from .streaming import clear_registration_error, in_own_pages
 
 _KEPT: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
 _UNLOADED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # unloaded by core once: loaded per prompt
-_MODELS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # the pack's models alive in this process
+# The pack's models alive in this process, each with its patcher's backups: the original of each weight a LoRA
+# patches, which core keeps on the offload device while the patched one is loaded (``patch_weight_to_device``; a
+# patcher's clones share its ``backup``: 0.3.75 and upstream model_patcher.py @08d0e510).
+_MODELS: weakref.WeakKeyDictionary[torch.nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
-def track(model: torch.nn.Module) -> torch.nn.Module:
-    """Count ``model`` (a DiT, text encoder or PE the pack made) in ``held_on_host`` while it lives."""
-    _MODELS.add(model)
-    return model
+def track(patcher: ModelPatcher) -> ModelPatcher:
+    """Count ``patcher``'s model (a DiT, text encoder or PE the pack made) in ``held_on_host`` while it lives, with
+    the originals its LoRA patches keep on the host."""
+    _MODELS[patcher.model] = patcher.backup
+    return patcher
 
 
 def held_on_host() -> int:
-    """Host RAM the pack's models hold now: their tensors on the CPU and their kept host copies, each storage once
-    (a tensor subclass counted by its inner tensors)."""
+    """Host RAM the pack's models hold now: their tensors on the CPU, their kept host copies and the originals of
+    their LoRA-patched weights, each storage once (a tensor subclass counted by its inner tensors)."""
     seen: set[int] = set()
     held = 0
-    for model in list(_MODELS):
-        tensors = [*model.parameters(), *model.buffers(), *_KEPT.get(model, {}).values()]
+    for model, backup in list(_MODELS.items()):
+        tensors = [*model.parameters(), *model.buffers(), *_KEPT.get(model, {}).values(),
+                   *(saved.weight for saved in list(backup.values()))]
         for tensor in (inner for t in tensors for inner in plain_tensors(t)):
             if tensor.device.type != "cpu" or tensor.untyped_storage().data_ptr() in seen:
                 continue

@@ -49,7 +49,7 @@ def model_patcher(model_class: type, config: SupportedModel, diffusion_model: to
     archive = getattr(mm, "archive_model_dtypes", None)
     if archive is not None:  # current cores: the dtypes dynamic VRAM casts each weight back to (core's models do so)
         archive(model.diffusion_model)
-    return patcher_class(host_copy.track(model), load_device=load_device, offload_device=offload_device)
+    return host_copy.track(patcher_class(model, load_device=load_device, offload_device=offload_device))
 
 
 def dit_blocks(model) -> tuple[torch.nn.Module, str]:

@@ -228,7 +228,7 @@ def text_model_patcher(container: torch.nn.Module, load: torch.device, offload: 
                        what: str, chosen: bool) -> WholeModelPatcher:
     """A patcher that loads ``container`` whole on demand, on ``whole_load_device``."""
     load = whole_load_device(container, load, offload, what, chosen)
-    return WholeModelPatcher(host_copy.track(container), load_device=load, offload_device=offload)
+    return host_copy.track(WholeModelPatcher(container, load_device=load, offload_device=offload))
 
 
 def on_detach(patcher: ModelPatcher, callback) -> None:

@@ -17,7 +17,8 @@ for core's partial loading the rates it reached on the H200, ``CORE_STREAMING`` 
 combination is tried (a handful of forms and places per model).
 
 Host RAM: what is not on the GPU between stages is in host RAM (a model on the CPU, streamed, loaded per prompt, or
-what a partial DiT does not keep or gives up). Where the models take more than the machine leaves them
+what a partial DiT does not keep or gives up); a DiT with a LoRA holds all its weights and the LoRA there wherever it
+runs (core's backups of the patched weights). Where the models take more than the machine leaves them
 (``Card.host``), the system swaps the bytes over out and in each prompt, priced at a disk's rate
 (``SWAP_BYTES_PER_S``), and the plan's line says so.
 
@@ -278,8 +279,13 @@ def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | No
             seconds = record.runs * run
         warm += seconds
         first += seconds + record.first_read_bytes / DISK_BYTES_PER_S
-        # What the GPU does not hold between stages is in host RAM: for a partial DiT, also what it gives up.
-        host = _held(record, form, lora_bytes) - gpu + (partial.lost if place == PARTIAL else 0)
+        # What the GPU does not hold between stages is in host RAM: for a partial DiT, also what it gives up. A DiT
+        # with a LoRA holds all of it there, wherever it runs: core keeps the original of each weight a LoRA patches
+        # on the offload device while the patched one is loaded (``ModelPatcher.patch_weight_to_device``, 0.3.75 and
+        # upstream), and the LoRA's own tensors stay there too.
+        host = _held(record, form, lora_bytes)
+        if record.role != DIT or lora is None:
+            host += (partial.lost if place == PARTIAL else 0) - gpu
         placements.append(Placement(record, form, place, gpu, moved, seconds, host))
     swapped = max(sum(p.host_bytes for p in placements) - card.host, 0)
     warm, first = warm + 2 * swapped / SWAP_BYTES_PER_S, first + 2 * swapped / SWAP_BYTES_PER_S
