@@ -68,7 +68,16 @@ def _copied(runs: list[dict]) -> str:
     if moved is None:
         return "-"
     host, back = moved.get("HtoD", 0), moved.get("DtoH", 0)
-    return f"{_megabytes(host + back)} (HtoD {_megabytes(host)}, DtoH {_megabytes(back)})"
+    return f"{_megabytes(host + back)} (HtoD {_megabytes(host)}{_detail(moved, 'HtoD')}, " \
+           f"DtoH {_megabytes(back)}{_detail(moved, 'DtoH')})"
+
+
+def _detail(moved: dict, direction: str) -> str:
+    """What the profiler told of one direction's copies besides their bytes, where it was recorded (older records
+    have neither): those from or to pageable memory, and the copies' time on the GPU."""
+    if f"{direction} us" not in moved:
+        return ""
+    return f": {_megabytes(moved.get(f'{direction} pageable', 0))} pageable, {moved[f'{direction} us'] / 1e3:,.0f} ms"
 
 
 def _result(runs: list[dict]) -> str:

@@ -543,7 +543,9 @@ def run_prompt(execution, executor, graph: dict, nvml: NvmlPeak | None = None) -
 def copied_bytes(run) -> tuple[dict, dict[str, int]]:
     """``run()``'s row, and the bytes CUDA copied between host and device while it ran, by direction (``HtoD``,
     ``DtoH``; ``DtoD`` apart), from the torch profiler's memcpy events (their ``bytes`` in the Kineto trace): every
-    copy, weights and latents alike, whichever path made it (core's loads and casts, the pack's, torchao's)."""
+    copy, weights and latents alike, whichever path made it (core's loads and casts, the pack's, torchao's). Beside
+    them, per direction, the bytes that crossed from or to pageable host memory (``HtoD pageable``: CUDA stages
+    those through a buffer of its own, and the copy blocks the host) and the copies' time on the GPU (``HtoD us``)."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -556,8 +558,13 @@ def copied_bytes(run) -> tuple[dict, dict[str, int]]:
         events = json.loads(Path(trace.name).read_text()).get("traceEvents", [])
     for event in events:
         if event.get("cat") == "gpu_memcpy":
-            direction = next((d for d in ("HtoD", "DtoH", "DtoD") if d in event.get("name", "")), "other")
-            moved[direction] += int(event.get("args", {}).get("bytes", 0))
+            name = event.get("name", "")
+            direction = next((d for d in ("HtoD", "DtoH", "DtoD") if d in name), "other")
+            size = int(event.get("args", {}).get("bytes", 0))
+            moved[direction] += size
+            moved[f"{direction} us"] += int(event.get("dur", 0))
+            if "Pageable" in name:  # Kineto's "Memcpy HtoD (Pageable -> Device)"
+                moved[f"{direction} pageable"] += size
     return row, dict(moved)
 
 
