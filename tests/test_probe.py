@@ -25,7 +25,7 @@ TINY = probe.Shapes(dit_hidden=64, dit_heads=4, dit_ffn=128, dit_blocks=2, dit_t
                     text_heads=4, text_kv_heads=2, text_head_dim=16, text_ffn=128, text_layers=2, text_tokens=8,
                     pe_cached_tokens=16, vocab=512, copy_bytes=1 << 20)
 CPU = torch.device("cpu")
-KEY = "NVIDIA H200; driver 580.95.05; torch 2.11.0+cu130; CUDA 13.0; probe 1"
+KEY = "NVIDIA H200; driver 580.95.05; torch 2.11.0+cu130; CUDA 13.0; probe 2"
 
 
 @pytest.fixture
@@ -58,8 +58,9 @@ def test_the_probe_gives_a_finite_positive_cost_for_every_form_and_reports_its_p
     assert gguf == {f"dit:gguf:{kind}" for kind in ("Q8_0", "Q6_K", "Q5_1", "Q5_K", "Q5_0", "Q4_1", "Q4_K", "IQ4_NL",
                                                     "Q4_0", "IQ4_XS", "Q3_K", "Q2_K")}
     fp8_matmul = {"dit:fp8_matmul"} if probe.fp8_matmul_runs(CPU) else set()
+    text_gguf = {f"{model}:gguf:{kind}" for model in ("text", "pe") for kind in BLOCKS}  # a GGUF text encoder or PE
     assert set(costs.seconds) == {"dit:bf16", "dit:fp8_cast", "text:bf16", "text:fp8", "pe:bf16", "pe:fp8"} | gguf \
-        | fp8_matmul
+        | fp8_matmul | text_gguf
     assert set(costs.cpu_seconds) == {"text:bf16"}
     numbers = [costs.pinned, costs.pageable, *costs.seconds.values(), *costs.cpu_seconds.values()]
     assert all(isinstance(n, float) and math.isfinite(n) and n > 0 for n in numbers), costs

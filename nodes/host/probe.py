@@ -40,7 +40,7 @@ from .sampling import progress_bar
 log = logging.getLogger(__name__)
 
 COSTS_FILE = ("ernie-image", "costs.json")  # under ComfyUI's user folder
-PROBE_VERSION = 1  # in the key: a probe that measures differently (another form, another shape) measures again
+PROBE_VERSION = 2  # in the key: a probe that measures differently (another form, another shape) measures again
 NVIDIA_VERSION_FILE = Path("/proc/driver/nvidia/version")
 REPEATS = 3
 HEAD_ROWS = 16384  # the PE's vocabulary head is timed on this many rows and scaled (all of it: 805 MB more)
@@ -152,7 +152,10 @@ def dit_forms(device: torch.device) -> dict[str, Callable[[int, int, torch.devic
     return forms | {f"dit:gguf:{kind}": _gguf(kind) for kind in BLOCKS}
 
 
-TEXT_FORMS = {"bf16": _bf16, "fp8": _fp8_cast}  # the text encoder's and the PE's (fp8: the pack's fp8 storage)
+# The text encoder's and the PE's (fp8: the pack's fp8 storage; a GGUF file's type, its layers decoded per use). A
+# GGUF text encoder's encode is not the fp8 one: its layers are small, so each type's decode, many kernels a layer,
+# sets its time (Q4_K_M 166 ms, Q8_0 44 ms, fp8 44 ms on the H200, bench/RESULTS.md, session 30).
+TEXT_FORMS = {"bf16": _bf16, "fp8": _fp8_cast} | {f"gguf:{kind}": _gguf(kind) for kind in BLOCKS}
 
 
 class _Timer:
@@ -254,7 +257,8 @@ def measure(device: torch.device | str, shapes: Shapes = TRUE_SHAPES,
     """What each form costs on ``device``, measured now (see the module's docstring): ``seconds`` of one DiT forward
     (batch 1, ``shapes.dit_tokens``) per form (``dit:bf16``, ``dit:fp8_cast``, ``dit:fp8_matmul`` where the device
     has FP8 matmul, ``dit:gguf:<type>`` for each GGUF block type the pack reads), of one encode of
-    ``shapes.text_tokens`` (``text:bf16``, ``text:fp8``) and of one PE token (``pe:bf16``, ``pe:fp8``);
+    ``shapes.text_tokens`` (``text:bf16``, ``text:fp8``, ``text:gguf:<type>``) and of one PE token (``pe:bf16``,
+    ``pe:fp8``, ``pe:gguf:<type>``);
     ``cpu_seconds["text:bf16"]``: the encode on the CPU (one layer timed once after a warm-up, times the layers).
     ``progress(done, total)`` after each measurement; Cancel (``check_cancel``) before each."""
     device, s = torch.device(device), shapes
