@@ -17,6 +17,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 
 from comfyui_ernie_image.nodes.dit.gguf import load_gguf_dit
 from comfyui_ernie_image.nodes.dit.model import make_model_patcher
+from comfyui_ernie_image.nodes.dit.vae import load_vae
 from comfyui_ernie_image.nodes.host import host_copy
 from comfyui_ernie_image.nodes.host.patchers import ManagedModule, WholeModelPatcher
 from comfyui_ernie_image.nodes.lora.patching import apply_lora
@@ -167,3 +168,25 @@ def test_the_host_ram_counts_the_originals_core_keeps_of_a_loras_weights(tmp_pat
     assert host_copy.held_on_host() - before == sum(originals.values())
     patched.unpatch_model()  # the originals back in their layers (the others stay on the "GPU")
     assert not patched.backup and host_copy.held_on_host() - before == sum(originals.values())
+
+
+def test_the_vae_loaded_per_prompt_keeps_its_host_copy_and_core_unloads_it_whole(tiny_models):
+    """The pack's VAE is core's ``comfy.sd.VAE``; where the sampler takes its room each prompt, core unloads it
+    before sampling and loads it for the decode. After core's first unload it keeps its host copy: every later
+    unload copies nothing back (from the meta device nothing could be), and a request for part of its memory frees
+    none, so that core unloads it whole (on main core's own patcher copied the weights back each time)."""
+    vae = load_vae(tiny_models["vae_file"])
+    patcher = vae.patcher
+    model = patcher.model
+    host_copy.before_unload(model, CPU)  # core's first unload, from the GPU (see the module's docstring)
+    kept = {name: p.data_ptr() for name, p in model.named_parameters()}
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for _ in range(2):
+        patcher.load(GPU, full_load=True)
+        assert all(p.device == GPU for p in model.parameters())
+        assert patcher.partially_unload(CPU, 1) == 0
+        patcher.detach()
+        assert {name: p.data_ptr() for name, p in model.named_parameters()} == kept
+    for name, p in model.named_parameters():
+        assert torch.equal(p, weights[name]), name
+    assert host_copy.held_on_host() >= sum(t.nbytes for t in weights.values())

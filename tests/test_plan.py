@@ -258,11 +258,11 @@ def test_compiled_forms_are_priced_at_what_compiling_measured_so_a_larger_card_n
     assert bf16.form.name == "bf16" and abs(bf16.seconds - 1.0) <= 0.1  # measured: 1.0 s for the 8 steps
 
 
-def test_a_per_prompt_text_encoder_or_pe_is_copied_in_once_from_its_pinned_host_copy():
-    """The text encoder and the PE keep their host copy once core has unloaded them (``host/host_copy.py``): a
-    per-prompt load is one copy in at the pinned rate, nothing comes back; where neither core's bound on pinned
-    memory nor the host RAM has room for it, it keeps none and moves both ways at the pageable rate. The VAE, under
-    core's own patcher, is copied in and back out at the pageable rate."""
+def test_a_per_prompt_text_encoder_pe_or_vae_is_copied_in_once_from_its_pinned_host_copy():
+    """The text encoder, the PE and the VAE keep their host copy once core has unloaded them
+    (``host/host_copy.py``): a per-prompt load is one copy in at the pinned rate, nothing comes back; where neither
+    core's bound on pinned memory nor the host RAM has room for it, it keeps none and moves both ways at the pageable
+    rate."""
     records, lora = graph(gguf=False, pe=True)
     rates = costs()
     for pinnable, moves in ((PINNABLE, lambda b: b / rates.pinned), (0, lambda b: 2 * b / rates.pageable)):
@@ -273,8 +273,9 @@ def test_a_per_prompt_text_encoder_or_pe_is_copied_in_once_from_its_pinned_host_
         assert pe.seconds == pytest.approx(64 * run + moves(pe.form.weight_bytes)), chosen.line()
     records, lora = graph(gguf=True)
     vae_only = [dataclasses.replace(r, places=(PER_PROMPT,)) if r.role == VAE else r for r in records]
-    vae = plan(vae_only, Card(int(11.1 * GIB), PINNABLE), rates, lora).of(VAE)
-    assert vae.seconds == pytest.approx(2 * vae.form.weight_bytes / rates.pageable)
+    for pinnable, moves in ((PINNABLE, lambda b: b / rates.pinned), (0, lambda b: 2 * b / rates.pageable)):
+        vae = plan(vae_only, Card(int(11.1 * GIB), pinnable), rates, lora).of(VAE)
+        assert vae.seconds == pytest.approx(moves(vae.form.weight_bytes))
 
 
 def test_a_per_prompt_fp8_dit_keeps_its_host_copy_but_not_with_a_lora():

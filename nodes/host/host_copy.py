@@ -1,4 +1,5 @@
-"""A whole-loaded model that ComfyUI unloads between prompts keeps its weights' host copy, pinned.
+"""A whole-loaded model that ComfyUI unloads between prompts keeps its weights' host copy, pinned (its buffers too,
+unpinned: they are small).
 
 Core unloads a model by copying its weights back to the offload device (``ModelPatcher.unpatch_model``:
 ``self.model.to(offload_device)``, 0.3.75 and upstream model_patcher.py @08d0e510) into new pageable memory, and
@@ -72,6 +73,10 @@ def before_unload(model: torch.nn.Module, device: torch.device) -> None:
         _UNLOADED.add(model)
         return
     with torch.inference_mode(False):
+        for name, buffer in list(model.named_buffers()):
+            host = kept.get(name)
+            if host is not None and buffer.device != host.device and host.device == torch.device(device):
+                comfy.utils.set_attr(model, name, host)
         for name, parameter in list(model.named_parameters()):
             host = kept.get(name)
             if host is None or parameter.device == host.device or host.device != torch.device(device):
@@ -95,6 +100,9 @@ def before_load(model: torch.nn.Module) -> int:
     kept, pinned = {}, []
     pins = getattr(mm, "MAX_PINNED_MEMORY", 0) > 0
     with torch.inference_mode(False):
+        for name, buffer in list(model.named_buffers()):  # a norm's statistics, a rotary table: small, kept as is
+            if buffer.device.type == "cpu":
+                kept[name] = buffer
         for name, parameter in list(model.named_parameters()):
             if parameter.device.type != "cpu":
                 continue

@@ -141,7 +141,44 @@ def _outside_inference_mode(patcher_class: type) -> type:
 _Backup = collections.namedtuple("Dimension", ["weight", "inplace_update"])  # core's backup record, as it makes them
 
 
-class WholeModelPatcher(OutsideInferenceMode, ModelPatcher):
+class KeepsHostCopy:
+    """Core's patcher methods for a model ComfyUI loads and unloads whole: once core has unloaded it without
+    patches, it keeps its host copy (``host_copy``): loaded per prompt from pinned memory, unloaded without a copy
+    back. Core asking for part of its memory gets none (``partially_unload``) and unloads the whole model, which
+    then costs no copy."""
+
+    def load(self, device_to=None, *args, **kwargs):
+        if not self.patches and (device_to or self.load_device) != self.offload_device:
+            pinned = host_copy.before_load(self.model)
+            if pinned:
+                logging.info("ERNIE-Image: %s is loaded for each prompt: its host copy is kept, %.1f MB pinned",
+                             type(self.model).__name__, pinned / 1e6)
+        return super().load(device_to, *args, **kwargs)
+
+    def partially_unload(self, *args, **kwargs) -> int:
+        return 0  # frees nothing: ComfyUI then unloads the whole model
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True, **kwargs):
+        if (unpatch_weights and device_to is not None and not self.patches
+                and any(p.device != torch.device(device_to) for p in self.model.parameters())):
+            host_copy.before_unload(self.model, device_to)
+        return super().unpatch_model(device_to, unpatch_weights, **kwargs)
+
+
+class HostCopyPatcher(KeepsHostCopy, ModelPatcher):
+    """Core's classic patcher, for a model of core's the pack makes (the VAE) that keeps its host copy."""
+
+
+def keeps_host_copy(patcher: ModelPatcher) -> ModelPatcher:
+    """``patcher``, its model keeping its host copy when ComfyUI loads it per prompt (the VAE on a small card, which
+    otherwise core copies back to new pageable memory and in again each prompt), and counted in ``held_on_host``.
+    Only on core's classic patcher: a dynamic-VRAM patcher keeps the weights in host RAM itself."""
+    if type(patcher) is ModelPatcher:
+        patcher.__class__ = HostCopyPatcher
+    return host_copy.track(patcher)
+
+
+class WholeModelPatcher(OutsideInferenceMode, KeepsHostCopy, ModelPatcher):
     """A ModelPatcher that never loads or unloads its model in part, and knows the true size of quantized weights.
 
     LoRAs: a torchao-quantized DiT carries a ``requantizer`` (``quant/requantize.py``). Core's patching adds a
@@ -150,8 +187,7 @@ class WholeModelPatcher(OutsideInferenceMode, ModelPatcher):
     reads them), and the result is quantized again with the same method. Core's backup keeps the quantized weight
     (on the offload device, as core keeps its backups), so unloading or a changed LoRA stack restores it exactly.
     Everything else (the text encoder, the PE, an SVDQuant DiT) refuses patches. Once core has unloaded a model
-    without patches, it keeps its host copy: loaded per prompt from pinned memory, unloaded without a copy back
-    (``host_copy``)."""
+    without patches, it keeps its host copy (``KeepsHostCopy``)."""
 
     loads_whole = True  # read by the out-of-memory advice (oom.py), which cannot import this module
 
@@ -160,11 +196,6 @@ class WholeModelPatcher(OutsideInferenceMode, ModelPatcher):
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, **kwargs):
         self.requantize_seconds: list[float] = []  # one per layer made again in this load
-        if not self.patches and (device_to or self.load_device) != self.offload_device:
-            pinned = host_copy.before_load(self.model)
-            if pinned:
-                logging.info("ERNIE-Image: %s is loaded for each prompt: its host copy is kept, %.1f MB pinned",
-                             type(self.model).__name__, pinned / 1e6)
         try:
             loaded = super().load(device_to, lowvram_model_memory, force_patch_weights, full_load=True, **kwargs)
         except torch.OutOfMemoryError as error:
@@ -199,15 +230,6 @@ class WholeModelPatcher(OutsideInferenceMode, ModelPatcher):
         comfy.utils.set_attr_param(self.model, key, requantizer.quantized(merged))
         getattr(self, "requantize_seconds", []).append(time.perf_counter() - start)
 
-    def partially_unload(self, *args, **kwargs) -> int:
-        return 0  # frees nothing: ComfyUI then unloads the whole model
-
-    def unpatch_model(self, device_to=None, unpatch_weights=True, **kwargs):
-        # A model without patches keeps its host copy once core has unloaded it (``host_copy``).
-        if (unpatch_weights and device_to is not None and not self.patches
-                and any(p.device != torch.device(device_to) for p in self.model.parameters())):
-            host_copy.before_unload(self.model, device_to)
-        return super().unpatch_model(device_to, unpatch_weights, **kwargs)
 
 
 def whole_load_device(container: torch.nn.Module, load: torch.device, offload: torch.device, what: str,

@@ -27,6 +27,8 @@ import comfy.sd
 import torch
 import torch.nn.functional as F
 
+from .patchers import keeps_host_copy
+
 # A step whose input and output rows together exceed this runs in slabs that each stay under it. A 1024² decode on
 # the H200 (bench_vae --slab-mib, session 22): whole 2.13 GiB, 0.089 s; in slabs of 128 MiB 1.17 GiB, 0.084 s; of 32
 # MiB 1.05 GiB, 0.123 s (the convolutions alone in slabs of 128 MiB, session 21: 1.55 GiB, 0.099 s).
@@ -34,8 +36,13 @@ SLAB_BYTES = 128 * 2**20
 
 
 def core_vae(state_dict: dict[str, torch.Tensor]) -> comfy.sd.VAE:
-    """Core's VAE for these weights (diffusers' or ComfyUI's keys)."""
-    return comfy.sd.VAE(sd=state_dict)
+    """Core's VAE for these weights (diffusers' or ComfyUI's keys). Where the sampler and the decode cannot share
+    the card, ComfyUI unloads it for each sampling and loads it for each decode: it keeps its host copy
+    (``patchers.keeps_host_copy``; otherwise 0.2 GB is copied out and in at the pageable rate each prompt: 0.11 s out
+    alone on an emulated 8 GB card with a LoRA, bench/RESULTS.md, session 30)."""
+    vae = comfy.sd.VAE(sd=state_dict)
+    keeps_host_copy(vae.patcher)
+    return vae
 
 
 def _rows_per_slab(rows: int, row_bytes: int) -> int:

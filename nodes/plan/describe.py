@@ -166,8 +166,8 @@ def _kind(role: str) -> str:
 
 def vae_record(source: str, tensors: list[Tensor], working: int) -> LoadRecord:
     s = sizes(tensors)
-    return LoadRecord(VAE, source, (Form("as stored", "default", "vae", s.total),), (RESIDENT, PER_PROMPT), working,
-                      1, first_read_bytes=s.total)
+    return LoadRecord(VAE, source, (Form("as stored", "default", "vae", s.total, keeps_host_copy=True),),
+                      (RESIDENT, PER_PROMPT), working, 1, first_read_bytes=s.total)
 
 
 def lora_set(sources: list[str], tensors: list[Tensor]) -> LoraSet:

@@ -36,8 +36,8 @@ class Form:
     weight_bytes: int
     block_bytes: int = 0
     compiled: float = 1.0
-    # Loaded whole per prompt, it keeps its host copy, pinned (the text encoder, the PE, the torchao DiT without a
-    # LoRA: ``host/host_copy.py``): each load copies at the pinned rate and nothing is copied back.
+    # Loaded whole per prompt, it keeps its host copy, pinned (the text encoder, the PE, the VAE, the torchao DiT
+    # without a LoRA: ``host/host_copy.py``): each load copies at the pinned rate and nothing is copied back.
     keeps_host_copy: bool = False
 
 
