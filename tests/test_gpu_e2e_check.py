@@ -227,7 +227,8 @@ def test_the_sweep_table_from_recorded_rows(tmp_path):
     card10[2]["oom_retry_fallback"] = 1
     card10.append({**card10[1], "run": "copies", "seconds": 9.0,
                    "copied_bytes": {"HtoD": 4_700_000_000, "DtoH": 10_000_000, "DtoD": 5_000_000_000,
-                                    "HtoD pageable": 300_000_000, "HtoD us": 251_600, "DtoH us": 900}})
+                                    "HtoD pageable": 300_000_000, "HtoD pageable copies": 1200, "HtoD us": 251_600,
+                                    "DtoH us": 900}})
     card8 = _runs("card8", 8.0, gguf, [2.0, 2.0], plans=[PLAN_LINE.replace("2.0 s", "1.0 s")])
     card9 = _runs("card9", 9.0, gguf, [])
     card9[0].update(ok=False, error="VAEDecode: OutOfMemoryError: CUDA out of memory |\n Tried to allocate 2 GiB")
@@ -240,8 +241,8 @@ def test_the_sweep_table_from_recorded_rows(tmp_path):
     assert lines[4] == (
         "| 10 (10.9 usable) | ernie_image_turbo_gguf | DiT GGUF Q4_K resident (5.0 GiB), text encoder fp8 streamed "
         "(3.7 GB per prompt), VAE resident | 2.00 | 2.10 (1.90–2.40, 5 prompts) | 1.05 | 20.4 | 4,710 MB (HtoD "
-        "4,700 MB: 300 MB pageable, 252 ms, DtoH 10 MB: 0 MB pageable, 1 ms) | 9.1 / 9.6 | 11.7 (anon 5.6, file 6.2) "
-        "| 1 | ok |")
+        "4,700 MB: 300 MB pageable in 1,200 copies, 252 ms, DtoH 10 MB: 0 MB pageable, 1 ms) | 9.1 / 9.6 "
+        "| 11.7 (anon 5.6, file 6.2) | 1 | ok |")
     assert lines[2].split(" | ")[3:6] == ["1.00", "2.00 (2.00–2.00, 2 prompts)", "**2.00**"]
     assert lines[3].split(" | ")[4:] == ["-", "-", "20.4", "-", "9.1 / 9.6", "11.7 (anon 5.6, file 6.2)", "0",
                                          "**first: VAEDecode: OutOfMemoryError: CUDA out of memory / Tried to "

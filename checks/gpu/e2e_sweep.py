@@ -74,10 +74,12 @@ def _copied(runs: list[dict]) -> str:
 
 def _detail(moved: dict, direction: str) -> str:
     """What the profiler told of one direction's copies besides their bytes, where it was recorded (older records
-    have neither): those from or to pageable memory, and the copies' time on the GPU."""
+    have neither): those from or to pageable memory (and how many copies), and the copies' time on the GPU."""
     if f"{direction} us" not in moved:
         return ""
-    return f": {_megabytes(moved.get(f'{direction} pageable', 0))} pageable, {moved[f'{direction} us'] / 1e3:,.0f} ms"
+    pageable, copies = moved.get(f"{direction} pageable", 0), moved.get(f"{direction} pageable copies")
+    count = f" in {copies:,} copies" if copies else ""
+    return f": {_megabytes(pageable)} pageable{count}, {moved[f'{direction} us'] / 1e3:,.0f} ms"
 
 
 def _result(runs: list[dict]) -> str:

@@ -545,7 +545,8 @@ def copied_bytes(run) -> tuple[dict, dict[str, int]]:
     ``DtoH``; ``DtoD`` apart), from the torch profiler's memcpy events (their ``bytes`` in the Kineto trace): every
     copy, weights and latents alike, whichever path made it (core's loads and casts, the pack's, torchao's). Beside
     them, per direction, the bytes that crossed from or to pageable host memory (``HtoD pageable``: CUDA stages
-    those through a buffer of its own, and the copy blocks the host) and the copies' time on the GPU (``HtoD us``)."""
+    those through a buffer of its own, and the copy blocks the host) and how many copies they were, and the copies'
+    time on the GPU (``HtoD us``)."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -565,6 +566,7 @@ def copied_bytes(run) -> tuple[dict, dict[str, int]]:
             moved[f"{direction} us"] += int(event.get("dur", 0))
             if "Pageable" in name:  # Kineto's "Memcpy HtoD (Pageable -> Device)"
                 moved[f"{direction} pageable"] += size
+                moved[f"{direction} pageable copies"] += 1  # their mean size tells a LoRA factor from a layer
     return row, dict(moved)
 
 
