@@ -227,6 +227,11 @@ def _places(device_choice: str, device: torch.device) -> tuple[str, ...] | None:
     return ()
 
 
+def _pixels(want: Wanted) -> float:
+    """The prompt's images' pixels against one 1024² image's: what the DiT's steps and the decode scale with."""
+    return want.latent[0] * want.latent[-2] * want.latent[-1] / (LATENT_1024[-2] * LATENT_1024[-1])
+
+
 def _dit(want: Wanted, device: torch.device, floor: int) -> LoadRecord:
     path, quantization, weight_dtype = want.dit
     gguf = is_gguf(path)
@@ -234,14 +239,13 @@ def _dit(want: Wanted, device: torch.device, floor: int) -> LoadRecord:
                                            for t in _tensors(f)]
     facts = probe(device)
     compiles = compiles_by_default(device)
-    pixels = want.latent[0] * want.latent[-2] * want.latent[-1] / (LATENT_1024[-2] * LATENT_1024[-1])
     # An explicit setting, or under auto the form its loader made already (ComfyUI reuses its output).
     fixed = _dit_setting(quantization, weight_dtype, gguf) or session.held_form(DIT, str(path))
     return dit_record(str(path), tensors, gguf_type=dominant_gguf_type(tensors) if gguf else None,
                       fp8_matmul=facts.torchao and facts.arch is not None and facts.arch >= FP8_MIN_ARCH,
                       runs=want.steps * want.forwards,
                       working=max(floor, step_estimate(ErnieImageConfig, want.latent, torch.bfloat16)),
-                      fixed=fixed, compute_scale=pixels, compiles=compiles)
+                      fixed=fixed, compute_scale=_pixels(want), compiles=compiles)
 
 
 def _dit_setting(quantization: str, weight_dtype: str, gguf: bool) -> str | None:
@@ -291,7 +295,7 @@ def records(want: Wanted, device: torch.device) -> tuple[list[LoadRecord], LoraS
         makers.append(lambda: _language_model_record(PROMPT_ENHANCER, want, device, floor))
     if want.vae is not None and want.vae.is_file():
         working = max(floor, decode_memory(want.latent, torch.bfloat16) * want.latent[0])
-        makers.append(lambda: vae_record(str(want.vae), _tensors(want.vae), working))
+        makers.append(lambda: vae_record(str(want.vae), _tensors(want.vae), working, _pixels(want)))
     found = []
     for make in makers:
         try:

@@ -275,7 +275,7 @@ def test_a_per_prompt_text_encoder_pe_or_vae_is_copied_in_once_from_its_pinned_h
     vae_only = [dataclasses.replace(r, places=(PER_PROMPT,)) if r.role == VAE else r for r in records]
     for pinnable, moves in ((PINNABLE, lambda b: b / rates.pinned), (0, lambda b: 2 * b / rates.pageable)):
         vae = plan(vae_only, Card(int(11.1 * GIB), pinnable), rates, lora).of(VAE)
-        assert vae.seconds == pytest.approx(moves(vae.form.weight_bytes))
+        assert vae.seconds == pytest.approx(rates.seconds["vae"] + moves(vae.form.weight_bytes))
 
 
 def test_a_per_prompt_fp8_dit_keeps_its_host_copy_but_not_with_a_lora():
@@ -342,3 +342,19 @@ def test_a_dit_with_a_lora_holds_its_weights_and_the_lora_in_host_ram_wherever_i
     assert RESIDENT in places and places - {RESIDENT}, places
     plain = plan(graph(gguf=gguf)[0], Card(48 * GIB, PINNABLE), costs())
     assert plain.of(DIT).place == RESIDENT and plain.of(DIT).host_bytes == 0
+
+
+def test_every_plan_counts_the_vaes_decode_scaled_by_the_images_pixels():
+    """The probe times one 1024² decode (``vae``): a plan's warm prompt counts it once, scaled by the images' pixels
+    as the DiT's steps are (a 2048² image: four times), and it changes no choice; costs without it count none (the
+    decode then took 0.1-0.15 s of every measured prompt that no prediction had, bench/RESULTS.md session 30)."""
+    rates, card = costs(), Card(int(11.1 * GIB), PINNABLE)
+    records, lora = graph()
+    chosen = plan(records, card, rates, lora)
+    assert chosen.of(VAE).seconds == pytest.approx(rates.seconds["vae"]), chosen.line()
+    larger = [dataclasses.replace(r, compute_scale=4.0) if r.role == VAE else r for r in records]
+    assert plan(larger, card, rates, lora).of(VAE).seconds == pytest.approx(4 * rates.seconds["vae"])
+    unmeasured = plan(records, card, dataclasses.replace(
+        rates, seconds={k: v for k, v in rates.seconds.items() if k != "vae"}), lora)
+    assert unmeasured.of(VAE).seconds == 0 and unmeasured.line().split(";")[0] == chosen.line().split(";")[0]
+    assert chosen.warm == pytest.approx(unmeasured.warm + rates.seconds["vae"])

@@ -229,6 +229,22 @@ def test_the_graph_is_read_for_its_models_and_the_prompts_size(comfy_paths, tiny
         assert want.pe_tokens == pe_tokens
 
 
+def test_the_dits_steps_and_the_vaes_decode_are_priced_by_the_images_pixels(comfy_paths, tiny_models):
+    """A 2048² image: the DiT's steps and the VAE's decode (the probe times both at 1024²) cost four times as much
+    (on main the decode was priced at 1024² whatever the size)."""
+    from comfyui_ernie_image.nodes import planning
+    from comfyui_ernie_image.nodes.plan.records import DIT, VAE
+
+    prompt = json.loads((REPO / "tests" / "workflows" / "ernie_image_turbo.json").read_text())
+    for node in prompt.values():
+        if node["class_type"] == "ErnieImageLoader":
+            node["inputs"]["model_name"] = f"diffusers/{tiny_models['snapshot'].name}"
+        if node["class_type"] == "EmptyFlux2LatentImage":
+            node["inputs"].update(width=2048, height=2048)
+    found, _ = planning.records(planning.wanted(prompt), torch.device("cpu"))
+    assert {r.role: r.compute_scale for r in found if r.role in (DIT, VAE)} == {DIT: 4.0, VAE: 4.0}
+
+
 @pytest.mark.parametrize("flag", ["gpu_only", "highvram", "lowvram", "novram"])
 def test_under_a_placement_flag_core_places_the_models_on_a_faked_10gb_card(card, true_size_files, monkeypatch, flag,
                                                                             caplog):

@@ -23,9 +23,10 @@ from comfyui_ernie_image.nodes.plan.costs import MAX_FILE_BYTES, read_costs
 
 TINY = probe.Shapes(dit_hidden=64, dit_heads=4, dit_ffn=128, dit_blocks=2, dit_tokens=40, text_hidden=64,
                     text_heads=4, text_kv_heads=2, text_head_dim=16, text_ffn=128, text_layers=2, text_tokens=8,
-                    pe_cached_tokens=16, vocab=512, copy_bytes=1 << 20)
+                    pe_cached_tokens=16, vocab=512, vae_channels=32, vae_mult=(1, 1), vae_latent_channels=4,
+                    vae_latent=8, copy_bytes=1 << 20)
 CPU = torch.device("cpu")
-KEY = "NVIDIA H200; driver 580.95.05; torch 2.11.0+cu130; CUDA 13.0; probe 2"
+KEY = "NVIDIA H200; driver 580.95.05; torch 2.11.0+cu130; CUDA 13.0; probe 3"
 
 
 @pytest.fixture
@@ -60,7 +61,7 @@ def test_the_probe_gives_a_finite_positive_cost_for_every_form_and_reports_its_p
     fp8_matmul = {"dit:fp8_matmul"} if probe.fp8_matmul_runs(CPU) else set()
     text_gguf = {f"{model}:gguf:{kind}" for model in ("text", "pe") for kind in BLOCKS}  # a GGUF text encoder or PE
     assert set(costs.seconds) == {"dit:bf16", "dit:fp8_cast", "text:bf16", "text:fp8", "pe:bf16", "pe:fp8"} | gguf \
-        | fp8_matmul | text_gguf
+        | fp8_matmul | text_gguf | {"vae"}
     assert set(costs.cpu_seconds) == {"text:bf16"}
     numbers = [costs.pinned, costs.pageable, *costs.seconds.values(), *costs.cpu_seconds.values()]
     assert all(isinstance(n, float) and math.isfinite(n) and n > 0 for n in numbers), costs

@@ -3,15 +3,17 @@
 Measured on synthetic layers of the real shapes (random weights made on the device; no model file is read): one DiT
 block's linears in each form the pack holds the DiT in, and its attention and element-wise work (norms, RoPE,
 activations, adaLN, residuals) once, times its 36 blocks; one text-encoder layer for a 128-token encode and for one
-PE token after 512, times its 26 layers, on the GPU and (the encode) on the CPU; host → GPU copies, pinned and
-pageable. Everything runs eager. GGUF blocks are decoded by the pack's own ``dequantize`` before each matmul: where
+PE token after 512, times its 26 layers, on the GPU and (the encode) on the CPU; one 1024² decode by the Flux.2
+VAE's decoder (core's, in row slabs as the pack decodes); host → GPU copies, pinned and pageable. Everything runs
+eager. GGUF blocks are decoded by the pack's own ``dequantize`` before each matmul: where
 the pack holds a GGUF DiT whole it compiles the blocks and inductor fuses the decode, which would take longer to
 compile than the whole probe may take; the eager figure ranks the GGUF types against each other and against the
 other forms, and the GPU check prints measured beside predicted.
 
 Warm-up once, then up to three timings (CUDA events), their median; a repetition beyond the first is skipped once
-``budget_s`` has passed, so the probe stays near its budget on a slow GPU (about 15 s; on an H200 a few). Its peak
-on the GPU is one DiT block in one form (436 MB in bf16) with its activations, or the 256 MiB copy.
+``budget_s`` has passed, so the probe stays near its budget on a slow GPU (about 15 s; on an H200 a few); the VAE's
+decode, long enough to time once, is timed once. Its peak on the GPU is the decode (its 0.16 GB of weights and 1.2
+GiB working), one DiT block in one form (436 MB in bf16) with its activations, or the 256 MiB copy.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import comfy.ldm.modules.diffusionmodules.model as vae_model
 import comfy.model_management
 import folder_paths
 import torch
@@ -36,11 +39,12 @@ from ..fp8_linear import FP8, FP8_MAX, Fp8Linear, quantize_rows
 from ..gguf.dequant import BLOCKS, SCALE_OFFSETS, dequantize
 from ..plan.costs import Costs, read_costs, write_costs
 from .sampling import progress_bar
+from .vae import decode_in_row_slabs
 
 log = logging.getLogger(__name__)
 
 COSTS_FILE = ("ernie-image", "costs.json")  # under ComfyUI's user folder
-PROBE_VERSION = 2  # in the key: a probe that measures differently (another form, another shape) measures again
+PROBE_VERSION = 3  # in the key: a probe that measures differently (another form, another shape) measures again
 NVIDIA_VERSION_FILE = Path("/proc/driver/nvidia/version")
 REPEATS = 3
 HEAD_ROWS = 16384  # the PE's vocabulary head is timed on this many rows and scaled (all of it: 805 MB more)
@@ -66,6 +70,10 @@ class Shapes:
     text_tokens: int = 128
     pe_cached_tokens: int = 512
     vocab: int = 131072
+    vae_channels: int = 128  # the Flux.2 VAE decoder's: its widths are these times ``vae_mult``
+    vae_mult: tuple[int, ...] = (1, 2, 4, 4)
+    vae_latent_channels: int = 32
+    vae_latent: int = 128  # a 1024² image's side in the decoder's input (16 × 8 in the sampler's latent)
     copy_bytes: int = 256 << 20
 
     def dit_linears(self) -> list[tuple[int, int]]:
@@ -245,6 +253,20 @@ def _pointwise(tokens: int, hidden: int, heads: int, kv_heads: int, head_dim: in
     return run
 
 
+def _vae_decode(s: Shapes, device: torch.device) -> Callable[[], object]:
+    """One image's decode by core's Flux.2 VAE decoder (``comfy.sd.VAE`` builds the same from the weights), its
+    blocks in row slabs as the pack decodes (``host/vae.py``), bf16, random weights made on ``device``."""
+    with torch.device(device):
+        decoder = vae_model.Decoder(ch=s.vae_channels, out_ch=3, ch_mult=s.vae_mult, num_res_blocks=2,
+                                    attn_resolutions=[], in_channels=3, resolution=256,
+                                    z_channels=s.vae_latent_channels)
+    decode_in_row_slabs(decoder)
+    for parameter in decoder.parameters():  # core's layers leave their weights uninitialised
+        parameter.data = _random(tuple(parameter.shape), torch.bfloat16, device)
+    latent = _random((1, s.vae_latent_channels, s.vae_latent, s.vae_latent), torch.bfloat16, device, 1.0)
+    return lambda: decoder(latent)
+
+
 def _copy_speed(timer: _Timer, device: torch.device, size: int, pinned: bool) -> float:
     """Host → ``device`` bytes per second of one ``size``-byte copy (on the CPU device: a host copy; nothing pins)."""
     source = torch.zeros(size, dtype=torch.uint8, pin_memory=pinned and device.type == "cuda")
@@ -259,13 +281,15 @@ def measure(device: torch.device | str, shapes: Shapes = TRUE_SHAPES,
     has FP8 matmul, ``dit:gguf:<type>`` for each GGUF block type the pack reads), of one encode of
     ``shapes.text_tokens`` (``text:bf16``, ``text:fp8``, ``text:gguf:<type>``) and of one PE token (``pe:bf16``,
     ``pe:fp8``, ``pe:gguf:<type>``);
-    ``cpu_seconds["text:bf16"]``: the encode on the CPU (one layer timed once after a warm-up, times the layers).
+    ``vae``: one 1024² decode; ``cpu_seconds["text:bf16"]``: the encode on the CPU (one layer timed once after a
+    warm-up, times the layers).
     ``progress(done, total)`` after each measurement; Cancel (``check_cancel``) before each."""
     device, s = torch.device(device), shapes
     forms = dit_forms(device)
     # Measurements: two copies; the DiT's attention and element-wise rest, then each form; the text encoder's and
-    # the PE's rest (two each) and the PE's head; each text form for an encode and a token; the encode on the CPU.
-    timer = _Timer(budget_s, 2 + 2 + len(forms) + 5 + 2 * len(TEXT_FORMS) + 1, progress)
+    # the PE's rest (two each) and the PE's head; each text form for an encode and a token; the VAE's decode; the
+    # encode on the CPU.
+    timer = _Timer(budget_s, 2 + 2 + len(forms) + 5 + 2 * len(TEXT_FORMS) + 1 + 1, progress)
     pinned = _copy_speed(timer, device, s.copy_bytes, pinned=True)
     pageable = _copy_speed(timer, device, s.copy_bytes, pinned=False)
 
@@ -289,6 +313,7 @@ def measure(device: torch.device | str, shapes: Shapes = TRUE_SHAPES,
         seconds[f"text:{name}"] = s.text_layers * (layer + text_rest)
         token = timer.seconds(_layers(build, s.text_linears(), device, 1), device)
         seconds[f"pe:{name}"] = s.text_layers * (token + pe_rest) + pe_head
+    seconds["vae"] = timer.seconds(_vae_decode(s, device), device, repeats=1)
 
     cpu = torch.device("cpu")
     cpu_layer = _layers(_bf16, s.text_linears(), cpu, s.text_tokens)

@@ -164,10 +164,11 @@ def _kind(role: str) -> str:
     return "pe" if role != "text encoder" else "text"
 
 
-def vae_record(source: str, tensors: list[Tensor], working: int) -> LoadRecord:
+def vae_record(source: str, tensors: list[Tensor], working: int, compute_scale: float = 1.0) -> LoadRecord:
+    """The VAE: its decode on the GPU (``compute_scale``: the images' pixels / 1024², as the DiT's)."""
     s = sizes(tensors)
     return LoadRecord(VAE, source, (Form("as stored", "default", "vae", s.total, keeps_host_copy=True),),
-                      (RESIDENT, PER_PROMPT), working, 1, first_read_bytes=s.total)
+                      (RESIDENT, PER_PROMPT), working, 1, first_read_bytes=s.total, compute_scale=compute_scale)
 
 
 def lora_set(sources: list[str], tensors: list[Tensor]) -> LoraSet:

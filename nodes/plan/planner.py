@@ -161,7 +161,8 @@ def _run_seconds(record: LoadRecord, form: Form, place: str, costs: Costs) -> fl
     known = [s for key, s in table.items() if key.startswith(kind)]
     if known:
         return max(known) * scale
-    # Nothing measured of this kind (the VAE's decode): the same in every plan on the GPU; never planned on the CPU.
+    # Nothing measured of this kind (costs without the VAE's decode): the same in every plan on the GPU; never
+    # planned on the CPU.
     return None if place == CPU else 0.0
 
 
