@@ -141,11 +141,13 @@ def _outside_inference_mode(patcher_class: type) -> type:
 _Backup = collections.namedtuple("Dimension", ["weight", "inplace_update"])  # core's backup record, as it makes them
 
 
-class KeepsHostCopy:
-    """Core's patcher methods for a model ComfyUI loads and unloads whole: once core has unloaded it without
+class HostCopyPatcher(ModelPatcher):
+    """Core's classic patcher for a model ComfyUI loads and unloads whole: once core has unloaded it without
     patches, it keeps its host copy (``host_copy``): loaded per prompt from pinned memory, unloaded without a copy
     back. Core asking for part of its memory gets none (``partially_unload``) and unloads the whole model, which
-    then costs no copy."""
+    then costs no copy. A subclass of core's alone: a core patcher (the VAE's) becomes one in place, which a mixin
+    before core's class would refuse where core's patcher derives from ``typing.Protocol`` classes ("object layout
+    differs": the 0.12.1 fork)."""
 
     def load(self, device_to=None, *args, **kwargs):
         if not self.patches and (device_to or self.load_device) != self.offload_device:
@@ -165,10 +167,6 @@ class KeepsHostCopy:
         return super().unpatch_model(device_to, unpatch_weights, **kwargs)
 
 
-class HostCopyPatcher(KeepsHostCopy, ModelPatcher):
-    """Core's classic patcher, for a model of core's the pack makes (the VAE) that keeps its host copy."""
-
-
 def keeps_host_copy(patcher: ModelPatcher) -> ModelPatcher:
     """``patcher``, its model keeping its host copy when ComfyUI loads it per prompt (the VAE on a small card, which
     otherwise core copies back to new pageable memory and in again each prompt), and counted in ``held_on_host``.
@@ -178,7 +176,7 @@ def keeps_host_copy(patcher: ModelPatcher) -> ModelPatcher:
     return host_copy.track(patcher)
 
 
-class WholeModelPatcher(OutsideInferenceMode, KeepsHostCopy, ModelPatcher):
+class WholeModelPatcher(OutsideInferenceMode, HostCopyPatcher):
     """A ModelPatcher that never loads or unloads its model in part, and knows the true size of quantized weights.
 
     LoRAs: a torchao-quantized DiT carries a ``requantizer`` (``quant/requantize.py``). Core's patching adds a
@@ -187,7 +185,7 @@ class WholeModelPatcher(OutsideInferenceMode, KeepsHostCopy, ModelPatcher):
     reads them), and the result is quantized again with the same method. Core's backup keeps the quantized weight
     (on the offload device, as core keeps its backups), so unloading or a changed LoRA stack restores it exactly.
     Everything else (the text encoder, the PE, an SVDQuant DiT) refuses patches. Once core has unloaded a model
-    without patches, it keeps its host copy (``KeepsHostCopy``)."""
+    without patches, it keeps its host copy (``HostCopyPatcher``)."""
 
     loads_whole = True  # read by the out-of-memory advice (oom.py), which cannot import this module
 
