@@ -14,7 +14,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..gguf.dequant import BLOCKS
-from .records import CPU, DIT, PARTIAL, PER_PROMPT, RESIDENT, STREAMED, VAE, Form, LoadRecord, LoraSet
+from .records import (
+    CPU,
+    DIT,
+    PARTIAL,
+    PER_PROMPT,
+    PROMPT_ENHANCER,
+    RESIDENT,
+    STREAMED,
+    VAE,
+    Form,
+    LoadRecord,
+    LoraSet,
+)
 
 COMPUTE_BYTES = 2  # bf16: what the pack computes the models in on the GPUs it plans for
 ROW_SCALE = 4  # one fp32 scale per output row of an fp8 weight
@@ -24,6 +36,11 @@ ROW_SCALE = 4  # one fp32 scale per output row of an fp8 weight
 # layer's decode and FP8's activation scaling, and gains bf16's matrix products little. fp8 storage cast per layer
 # is not measured: its eager time (never optimistic).
 COMPILED = {"gguf": 0.50, "fp8_matmul": 0.56, "bf16": 0.87}
+# The PE's compiled static-cache decode (what ``auto`` takes on CUDA) against the probe's eager token, per form: 64
+# new tokens after a 438-token prompt decoded at 281 tokens/s in bf16 and 181 in fp8 on the H200, where the probe's
+# eager token took 8.66 and 25.5 ms (bench/RESULTS.md, session 30): compiling fuses fp8's per-layer casts. A GGUF
+# PE's was not set against its probe figure: its eager time (never optimistic).
+COMPILED_PE = {"bf16": 0.41, "fp8": 0.22}
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.")  # transformers' and diffusers' names, llama.cpp's
 
 
@@ -140,19 +157,26 @@ def dit_record(source: str, tensors: list[Tensor], *, gguf_type: str | None, fp8
 
 def language_model_record(role: str, source: str, tensors: list[Tensor], *, runs: int, working: int,
                           fixed_form: str | None = None, places: tuple[str, ...] | None = None,
-                          streams: bool = True) -> LoadRecord:
+                          streams: bool = True, compiles: frozenset[str] = frozenset()) -> LoadRecord:
     """The text encoder or the PE (Ministral 3): bf16 (``default``) or its decoder linears in fp8 (``fp8_e4m3fn``),
     or a GGUF file as it is; resident, loaded per prompt, on the CPU, and (the text encoder, one pass per prompt)
-    streamed layer by layer, its embedding table staying on the host."""
+    streamed layer by layer, its embedding table staying on the host. ``compiles``: the forms whose PE decode runs
+    compiled on this GPU (``COMPILED_PE``)."""
     s = sizes(tensors)
     streamed = (s.block, s.block_fp8) if streams else (0, 0)
     gguf = dominant_gguf_type(tensors) if any(t.kind is not None for t in tensors) else None
+
+    def speedup(name: str) -> float:
+        return COMPILED_PE.get(name, 1.0) if role == PROMPT_ENHANCER and name in compiles else 1.0
+
     if gguf is not None:
         forms = (Form(f"GGUF {gguf}", "default", f"{_kind(role)}:gguf:{gguf}", s.total, streamed[0],
                       keeps_host_copy=True),)
     else:
-        forms = (Form("bf16", "default", f"{_kind(role)}:bf16", s.total, streamed[0], keeps_host_copy=True),
-                 Form("fp8", "fp8_e4m3fn", f"{_kind(role)}:fp8", s.total_fp8, streamed[1], keeps_host_copy=True))
+        forms = (Form("bf16", "default", f"{_kind(role)}:bf16", s.total, streamed[0], speedup("bf16"),
+                      keeps_host_copy=True),
+                 Form("fp8", "fp8_e4m3fn", f"{_kind(role)}:fp8", s.total_fp8, streamed[1], speedup("fp8"),
+                      keeps_host_copy=True))
     possible = (RESIDENT, STREAMED, PER_PROMPT, CPU) if streams else (RESIDENT, PER_PROMPT, CPU)
     if all(f.setting != fixed_form for f in forms):
         fixed_form = None  # a setting this file has no form of (fp8 of a GGUF file): its loader refuses it in words
