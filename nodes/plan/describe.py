@@ -14,19 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..gguf.dequant import BLOCKS
-from .records import (
-    CPU,
-    DIT,
-    PARTIAL,
-    PER_PROMPT,
-    PROMPT_ENHANCER,
-    RESIDENT,
-    STREAMED,
-    VAE,
-    Form,
-    LoadRecord,
-    LoraSet,
-)
+from .records import CPU, DIT, PARTIAL, PER_PROMPT, RESIDENT, STREAMED, VAE, Form, LoadRecord, LoraSet
 
 COMPUTE_BYTES = 2  # bf16: what the pack computes the models in on the GPUs it plans for
 ROW_SCALE = 4  # one fp32 scale per output row of an fp8 weight
@@ -167,7 +155,7 @@ def language_model_record(role: str, source: str, tensors: list[Tensor], *, runs
     gguf = dominant_gguf_type(tensors) if any(t.kind is not None for t in tensors) else None
 
     def speedup(name: str) -> float:
-        return COMPILED_PE.get(name, 1.0) if role == PROMPT_ENHANCER and name in compiles else 1.0
+        return COMPILED_PE.get(name, 1.0) if _kind(role) == "pe" and name in compiles else 1.0
 
     if gguf is not None:
         forms = (Form(f"GGUF {gguf}", "default", f"{_kind(role)}:gguf:{gguf}", s.total, streamed[0],
