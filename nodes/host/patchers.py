@@ -229,7 +229,6 @@ class WholeModelPatcher(OutsideInferenceMode, HostCopyPatcher):
         getattr(self, "requantize_seconds", []).append(time.perf_counter() - start)
 
 
-
 def whole_load_device(container: torch.nn.Module, load: torch.device, offload: torch.device, what: str,
                       chosen: bool) -> torch.device:
     """Where ``container`` is loaded whole: ``load``, but where the device was core's choice (``chosen`` False) and

@@ -5,10 +5,10 @@ block's linears in each form the pack holds the DiT in, and its attention and el
 activations, adaLN, residuals) once, times its 36 blocks; one text-encoder layer for a 128-token encode and for one
 PE token after 512, times its 26 layers, on the GPU and (the encode) on the CPU; one 1024² decode by the Flux.2
 VAE's decoder (core's, in row slabs as the pack decodes); host → GPU copies, pinned and pageable. Everything runs
-eager. GGUF blocks are decoded by the pack's own ``dequantize`` before each matmul: where
-the pack holds a GGUF DiT whole it compiles the blocks and inductor fuses the decode, which would take longer to
-compile than the whole probe may take; the eager figure ranks the GGUF types against each other and against the
-other forms, and the GPU check prints measured beside predicted.
+eager. GGUF blocks are decoded by the pack's own ``dequantize`` before each matmul: where the pack holds a GGUF DiT
+whole it compiles the blocks and inductor fuses the decode, which would take longer to compile than the whole probe
+may take; the eager figure ranks the GGUF types against each other and against the other forms, and the GPU check
+prints measured beside predicted.
 
 Warm-up once, then up to three timings (CUDA events), their median; a repetition beyond the first is skipped once
 ``budget_s`` has passed, so the probe stays near its budget on a slow GPU (about 15 s; on an H200 a few); the VAE's
@@ -280,10 +280,9 @@ def measure(device: torch.device | str, shapes: Shapes = TRUE_SHAPES,
     (batch 1, ``shapes.dit_tokens``) per form (``dit:bf16``, ``dit:fp8_cast``, ``dit:fp8_matmul`` where the device
     has FP8 matmul, ``dit:gguf:<type>`` for each GGUF block type the pack reads), of one encode of
     ``shapes.text_tokens`` (``text:bf16``, ``text:fp8``, ``text:gguf:<type>``) and of one PE token (``pe:bf16``,
-    ``pe:fp8``, ``pe:gguf:<type>``);
-    ``vae``: one 1024² decode; ``cpu_seconds["text:bf16"]``: the encode on the CPU (one layer timed once after a
-    warm-up, times the layers).
-    ``progress(done, total)`` after each measurement; Cancel (``check_cancel``) before each."""
+    ``pe:fp8``, ``pe:gguf:<type>``), of one 1024² decode (``vae``); ``cpu_seconds["text:bf16"]``: the encode on the
+    CPU (one layer timed once after a warm-up, times the layers). ``progress(done, total)`` after each measurement;
+    Cancel (``check_cancel``) before each."""
     device, s = torch.device(device), shapes
     forms = dit_forms(device)
     # Measurements: two copies; the DiT's attention and element-wise rest, then each form; the text encoder's and
