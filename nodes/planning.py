@@ -280,7 +280,7 @@ def _language_model_record(role: str, want: Wanted, device: torch.device, floor:
         role, str(path), tensors,
         runs=1 if role == TEXT_ENCODER else want.pe_tokens, working=floor,
         fixed_form=None if weight_dtype == AUTO else weight_dtype, places=places, streams=streams,
-        compiles=_pe_compiles(device))
+        compiles=_pe_compiles(device) if role == PROMPT_ENHANCER else frozenset())
 
 
 def _pe_compiles(device: torch.device) -> frozenset[str]:
