@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from comfyui_ernie_image.nodes.gguf import dequant, linear
+from comfyui_ernie_image.nodes.gguf import dequant
 from comfyui_ernie_image.nodes.gguf.reader import first_bad_value
 from scripts.gguf_writer import SCALES, SPAN, random_blocks
 
@@ -127,23 +127,3 @@ def test_compiled_the_decode_equals_eager_for_every_type(device):
     compiled = torch.compile(decode_all, fullgraph=True)(raws)
     for kind, eager in decode_all(raws).items():
         assert torch.equal(compiled[kind], eager), kind
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_a_layer_decodes_compiled_on_a_gpu_in_one_graph_per_type(device):
-    """A GGUF text encoder's or PE's layer on a GPU decodes through one compiled graph per block type
-    (``linear.decode_weight``): the numbers are eager's at every layer shape, and the shapes share the graph (the
-    block count dynamic), so 26 layers of seven shapes compile once per type. On the CPU, where layers decode eager,
-    the same compiled function is called as the GPU route calls it."""
-    def compiled(raw, kind, shape):
-        if device == "cuda":
-            return linear.decode_weight(raw, kind, shape, torch.bfloat16)
-        return linear._compiled_dequantize(raw, kind, (-1,), torch.bfloat16).view(shape)
-
-    torch._dynamo.reset()
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    for kind in ("Q4_K", "Q6_K"):
-        for seed, shape in enumerate([(48, 256), (16, 768), (96, 512)]):
-            raw = torch.from_numpy(_blocks(kind, shape[0] * shape[1], seed=seed).reshape(-1).copy()).to(device)
-            assert torch.equal(compiled(raw, kind, shape), dequant.dequantize(raw, kind, shape, torch.bfloat16))
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2

@@ -6,13 +6,6 @@ input's dtype on the input's device as it runs (``dequant.dequantize``), as the 
 (``host/gguf_layers.py``): only the blocks are held and moved, a layer's decoded weight lives for one call.
 ``GGUFBlockEmbedding`` looks up a token table's rows the same way: a row is whole blocks, so only the rows asked for
 are decoded (the text encoder's 131,072 x 3072 table: 0.33 GB of Q6_K blocks held instead of 0.8 GB of bf16).
-
-On a GPU a layer's decode is compiled, one graph per block type with the block count dynamic (the shape is applied
-outside it, so the text encoder's seven layer shapes share it): eager, a K-quant's decode is some thirty small
-operations per layer, and the Q4_K_M text encoder's warm encode took 166 ms against the Q8_0 one's 44 (session 30,
-H200), the GPU waiting on their launches. Inductor fuses them into one kernel that reads the blocks and writes the
-weight (bit for bit the eager numbers: ``tests/test_gguf_dequant.py``). Inside a compiled region (the PE's decode
-step) the decode is traced with it instead. On the CPU it stays eager: no C++ compiler is needed to run a GGUF file.
 """
 
 from __future__ import annotations
@@ -21,15 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from .dequant import dequantize
-
-_compiled_dequantize = torch.compile(dequantize, dynamic=True)
-
-
-def decode_weight(blocks: torch.Tensor, kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``blocks`` decoded into the ``shape`` weight in ``dtype``: by the compiled decode on a GPU, eager elsewhere."""
-    if blocks.device.type == "cuda" and not torch.compiler.is_compiling():
-        return _compiled_dequantize(blocks, kind, (-1,), dtype).view(shape)
-    return dequantize(blocks, kind, shape, dtype)
 
 
 class GGUFBlockLinear(torch.nn.Module):
@@ -43,7 +27,7 @@ class GGUFBlockLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         blocks = self.weight.to(x.device, non_blocking=True)
-        return F.linear(x, decode_weight(blocks, self.kind, self.weight_shape, x.dtype))
+        return F.linear(x, dequantize(blocks, self.kind, self.weight_shape, x.dtype))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
