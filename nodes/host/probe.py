@@ -2,13 +2,13 @@
 
 Measured on synthetic layers of the real shapes (random weights made on the device; no model file is read): one DiT
 block's linears in each form the pack holds the DiT in, and its attention and element-wise work (norms, RoPE,
-activations, adaLN, residuals) once, times its 36 blocks; one text-encoder layer for a 128-token encode and for one
-PE token after 512, times its 26 layers, on the GPU and (the encode) on the CPU; one 1024² decode by the Flux.2
-VAE's decoder (core's, in row slabs as the pack decodes); host → GPU copies, pinned and pageable. Everything runs
-eager. GGUF blocks are decoded by the pack's own ``dequantize`` before each matmul: where the pack holds a GGUF DiT
-whole it compiles the blocks and inductor fuses the decode, which would take longer to compile than the whole probe
-may take; the eager figure ranks the GGUF types against each other and against the other forms, and the GPU check
-prints measured beside predicted.
+activations, adaLN, residuals) once, times its 36 blocks; one text-encoder layer for a 128-token encode and for one PE
+token after 512, times its 26 layers, on the GPU and (the encode) on the CPU; one 1024² decode by the Flux.2 VAE's
+decoder (core's, in row slabs as the pack decodes); its image saved as a PNG on the CPU, as core's SaveImage does;
+host-to-GPU copies, pinned and pageable. Everything runs eager. GGUF blocks are decoded by the pack's own ``dequantize``
+before each matmul: where the pack holds a GGUF DiT whole it compiles the blocks and inductor fuses the decode, which
+would take longer to compile than the whole probe may take; the eager figure ranks the GGUF types against each other and
+against the other forms, and the GPU check prints measured beside predicted.
 
 Warm-up once, then up to three timings (CUDA events), their median; a repetition beyond the first is skipped once
 ``budget_s`` has passed, so the probe stays near its budget on a slow GPU (about 15 s; on an H200 a few); the VAE's
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import logging
 import platform
 import re
@@ -31,20 +32,22 @@ from pathlib import Path
 import comfy.ldm.modules.diffusionmodules.model as vae_model
 import comfy.model_management
 import folder_paths
+import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 from ..cancel import check_cancel
 from ..fp8_linear import FP8, FP8_MAX, Fp8Linear, quantize_rows
 from ..gguf.dequant import BLOCKS, SCALE_OFFSETS, dequantize
-from ..plan.costs import Costs, read_costs, write_costs
+from ..plan.costs import IMAGE_PNG, Costs, read_costs, write_costs
 from .sampling import progress_bar
 from .vae import decode_in_row_slabs
 
 log = logging.getLogger(__name__)
 
 COSTS_FILE = ("ernie-image", "costs.json")  # under ComfyUI's user folder
-PROBE_VERSION = 3  # in the key: a probe that measures differently (another form, another shape) measures again
+PROBE_VERSION = 4  # in the key: a probe that measures differently (another form, another shape) measures again
 NVIDIA_VERSION_FILE = Path("/proc/driver/nvidia/version")
 REPEATS = 3
 HEAD_ROWS = 16384  # the PE's vocabulary head is timed on this many rows and scaled (all of it: 805 MB more)
@@ -267,6 +270,21 @@ def _vae_decode(s: Shapes, device: torch.device) -> Callable[[], object]:
     return lambda: decoder(latent)
 
 
+def _image_png(side: int) -> Callable[[], object]:
+    """What core's SaveImage does with one decoded image (nodes.py ``SaveImage.save_images``: scaled to 0-255,
+    clipped, made bytes and written as a PNG at compress level 4), into memory. The image is photo-like, smooth with
+    a little noise (1.9 MB as a PNG): a PNG's time follows what it shows (on one CPU a flat image 0.02 s, noise
+    0.11 s, this one 0.17 s), and a generated image is smooth and detailed."""
+    y, x = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    smooth = torch.stack([(x / 4) % 256, (y / 4) % 256, ((x + y) / 8) % 256], dim=-1) / 255
+    image = (smooth + (torch.rand(side, side, 3) - 0.5) / 16).numpy()
+
+    def run() -> None:
+        pixels = np.clip(255.0 * image, 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(io.BytesIO(), format="PNG", compress_level=4)
+    return run
+
+
 def _copy_speed(timer: _Timer, device: torch.device, size: int, pinned: bool) -> float:
     """Host → ``device`` bytes per second of one ``size``-byte copy (on the CPU device: a host copy; nothing pins)."""
     source = torch.zeros(size, dtype=torch.uint8, pin_memory=pinned and device.type == "cuda")
@@ -281,14 +299,15 @@ def measure(device: torch.device | str, shapes: Shapes = TRUE_SHAPES,
     has FP8 matmul, ``dit:gguf:<type>`` for each GGUF block type the pack reads), of one encode of
     ``shapes.text_tokens`` (``text:bf16``, ``text:fp8``, ``text:gguf:<type>``) and of one PE token (``pe:bf16``,
     ``pe:fp8``, ``pe:gguf:<type>``), of one 1024² decode (``vae``); ``cpu_seconds["text:bf16"]``: the encode on the
-    CPU (one layer timed once after a warm-up, times the layers). ``progress(done, total)`` after each measurement;
+    CPU (one layer timed once after a warm-up, times the layers), ``cpu_seconds["image:png"]``: the decode's image
+    saved as a PNG. ``progress(done, total)`` after each measurement;
     Cancel (``check_cancel``) before each."""
     device, s = torch.device(device), shapes
     forms = dit_forms(device)
     # Measurements: two copies; the DiT's attention and element-wise rest, then each form; the text encoder's and
     # the PE's rest (two each) and the PE's head; each text form for an encode and a token; the VAE's decode; the
-    # encode on the CPU.
-    timer = _Timer(budget_s, 2 + 2 + len(forms) + 5 + 2 * len(TEXT_FORMS) + 1 + 1, progress)
+    # encode and the PNG on the CPU.
+    timer = _Timer(budget_s, 2 + 2 + len(forms) + 5 + 2 * len(TEXT_FORMS) + 1 + 2, progress)
     pinned = _copy_speed(timer, device, s.copy_bytes, pinned=True)
     pageable = _copy_speed(timer, device, s.copy_bytes, pinned=False)
 
@@ -319,9 +338,10 @@ def measure(device: torch.device | str, shapes: Shapes = TRUE_SHAPES,
     cpu_rest = (_attention(*heads, s.text_tokens, s.text_tokens, cpu, causal=True),
                 _pointwise(s.text_tokens, s.text_hidden, *heads, s.text_ffn, cpu, dit=False))
     cpu_text = s.text_layers * timer.seconds(lambda: [run() for run in (cpu_layer, *cpu_rest)], cpu, repeats=1)
+    png = timer.seconds(_image_png(s.vae_latent * 8), cpu, repeats=1)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # give back what the probe's layers took (a DiT block, the copies)
-    return Costs(machine_key(device), pinned, pageable, seconds, {"text:bf16": cpu_text})
+    return Costs(machine_key(device), pinned, pageable, seconds, {"text:bf16": cpu_text, IMAGE_PNG: png})
 
 
 @functools.cache  # asked at every plan request; a driver cannot change under a process that holds a CUDA context

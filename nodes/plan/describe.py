@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..gguf.dequant import BLOCKS
+from .costs import IMAGE_PNG
 from .records import CPU, DIT, PARTIAL, PER_PROMPT, RESIDENT, STREAMED, VAE, Form, LoadRecord, LoraSet
 
 COMPUTE_BYTES = 2  # bf16: what the pack computes the models in on the GPUs it plans for
@@ -177,10 +178,12 @@ def _kind(role: str) -> str:
 
 
 def vae_record(source: str, tensors: list[Tensor], working: int, compute_scale: float = 1.0) -> LoadRecord:
-    """The VAE: its decode on the GPU (``compute_scale``: the images' pixels / 1024², as the DiT's)."""
+    """The VAE: its decode on the GPU (``compute_scale``: the images' pixels / 1024², as the DiT's), then its image
+    saved as a PNG on the CPU."""
     s = sizes(tensors)
     return LoadRecord(VAE, source, (Form("as stored", "default", "vae", s.total, keeps_host_copy=True),),
-                      (RESIDENT, PER_PROMPT), working, 1, first_read_bytes=s.total, compute_scale=compute_scale)
+                      (RESIDENT, PER_PROMPT), working, 1, first_read_bytes=s.total, compute_scale=compute_scale,
+                      host_work=IMAGE_PNG)
 
 
 def lora_set(sources: list[str], tensors: list[Tensor]) -> LoraSet:

@@ -13,8 +13,9 @@ usable memory.
 Time: each model's runs at the measured cost of its form (``costs``), plus the bytes it moves each prompt at the
 measured bandwidth (pinned for streamed weights and for the host copy a per-prompt model keeps, the text encoder,
 the PE or an FP8 DiT without LoRA, where core may pin them all; pageable for whole loads of the others, in and out;
-for core's partial loading the rates it reached on the H200, ``CORE_STREAMING`` and ``CORE_RELOAD``). Every
-combination is tried (a handful of forms and places per model).
+for core's partial loading the rates it reached on the H200, ``CORE_STREAMING`` and ``CORE_RELOAD``), plus the CPU
+work after a run (``LoadRecord.host_work``: the decode's image saved as a PNG, 0.2-0.3 s of every measured prompt,
+the same in every plan). Every combination is tried (a handful of forms and places per model).
 
 Host RAM: what is not on the GPU between stages is in host RAM (a model on the CPU, streamed, loaded per prompt, or
 what a partial DiT does not keep or gives up); a DiT with a LoRA holds all its weights and the LoRA there wherever it
@@ -278,6 +279,8 @@ def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | No
             seconds = record.runs * run + (moved / costs.pinned if kept else 2 * moved / costs.pageable)
         else:
             seconds = record.runs * run
+        if record.host_work:
+            seconds += record.runs * record.compute_scale * costs.cpu_seconds.get(record.host_work, 0.0)
         warm += seconds
         first += seconds + record.first_read_bytes / DISK_BYTES_PER_S
         # What the GPU does not hold between stages is in host RAM: for a partial DiT, also what it gives up. A DiT

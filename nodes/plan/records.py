@@ -57,6 +57,10 @@ class LoadRecord:
     fixed_form: str | None = None
     first_read_bytes: int = 0  # what the first prompt reads from disk
     compute_scale: float = 1.0  # a run's compute against the measured one (the DiT: the image's pixels / 1024²)
+    # The measured CPU work (``costs.Costs.cpu_seconds``) that follows each run wherever the model runs, scaled as
+    # its compute: the VAE's image saved as a PNG (``image:png``). The same in every plan, it changes no choice;
+    # it is part of the warm prompt the plan predicts and the log sets beside the measured one.
+    host_work: str = ""
 
 
 @dataclass(frozen=True)

@@ -40,12 +40,12 @@ def lm_tensors(layers: int = 26, lm_head: bool = False) -> list[Tensor]:
 
 
 def costs(pinned: float = 25e9, pageable: float = 8e9) -> Costs:
-    """One forward at 1024², one encode, one PE token, one 1024² decode (H200-like; fp8 saves the PE memory, not
-    time, as measured there; bandwidths of a PCIe 4.0 x16 card)."""
+    """One forward at 1024², one encode, one PE token, one 1024² decode and its PNG (H200-like; fp8 saves the PE
+    memory, not time, as measured there; bandwidths of a PCIe 4.0 x16 card)."""
     return Costs("test", pinned, pageable,
                  {"dit:bf16": 0.16, "dit:fp8_cast": 0.20, "dit:fp8_matmul": 0.11, "dit:gguf:Q4_K": 0.15,
                   "text:bf16": 0.04, "text:fp8": 0.05, "pe:bf16": 0.02, "pe:fp8": 0.02, "vae": 0.09},
-                 {"text:bf16": 2.0, "text:fp8": 2.5, "pe:bf16": 0.5, "pe:fp8": 0.6})
+                 {"text:bf16": 2.0, "text:fp8": 2.5, "pe:bf16": 0.5, "pe:fp8": 0.6, "image:png": 0.2})
 
 
 def graph(gguf: bool = True, pe: bool = False, lora: bool = False, steps: int = 8, fp8_matmul: bool = True,
