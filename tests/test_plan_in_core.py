@@ -519,3 +519,42 @@ def test_a_machine_short_of_host_ram_gets_a_plan_that_says_it_swaps_on_a_faked_1
         warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert any("more host RAM than this machine has free" in w for w in warned) is swaps
         assert ("the system swaps" in plan.line()) is swaps
+
+
+@pytest.mark.parametrize("loader", ["LoraLoaderModelOnly", "ErnieImageLoraLoader"])
+def test_a_lora_added_to_a_graph_that_has_run_is_planned_anew_while_comfyui_reuses_every_loader_on_a_faked_10gb_card(
+        tiny_models, tmp_path, loader):
+    """A real headless ComfyUI whose memory queries answer for a 10 GB CUDA card (the fault, from
+    ``helpers/fake_card``, a second custom node folder): the graph runs, then the same graph with a LoRA after the
+    loader. ComfyUI reuses the loader's outputs and both encodes; the log shows a second plan, with the LoRA, before
+    the sampling. Core's own LoRA loader runs no node of the pack: the scheduler plans, as it runs again whenever
+    its model changes."""
+    from safetensors.torch import save_file
+
+    from conftest import COMFY_DIR
+    from helpers.lora import LAYERS, deltas, lora_file
+    from helpers.workflows import text_to_image
+    from scripts.comfy_headless import ComfyServer
+
+    loras = tiny_models["models_dir"] / "loras"
+    loras.mkdir(exist_ok=True)
+    save_file(lora_file("peft", deltas(LAYERS, seed=8)), loras / "planned.safetensors")
+    server = ComfyServer(COMFY_DIR, tmp_path, REPO, tiny_models["models_dir"], env={"ERNIE_TEST_FAKE_CARD_GIB": "10"})
+    (tmp_path / "custom_nodes" / "ernie_test_fake_card").symlink_to(REPO / "tests" / "helpers" / "fake_card",
+                                                                     target_is_directory=True)
+    settings = dict(snapshot="ERNIE-Image-Turbo-tiny", prompt="a cat", steps=2, seed=3, prefix="planned")
+    lora = (loader, {"lora_name": "planned.safetensors", "strength_model": 1.0})
+    server.start()
+    try:
+        plain, before = server.run_logged(text_to_image(**settings))
+        with_lora, after = server.run_logged(text_to_image(**settings, model_nodes=(lora,)))
+    finally:
+        server.stop()
+    assert plain.status == "success" and with_lora.status == "success", (plain.messages, with_lora.messages)
+    cached = next(data["nodes"] for kind, data in with_lora.messages if kind == "execution_cached")
+    assert {"loader", "positive", "negative"} <= set(cached)
+    first = [line for line in before.splitlines() if "ERNIE-Image: plan for" in line]
+    again = [line for line in after.splitlines() if "ERNIE-Image: plan for" in line]
+    assert len(first) == 1 and "LoRA" not in first[0], before[-3000:]
+    assert len(again) == 1 and "1 LoRA" in again[0], after[-3000:]
+    assert after.index(again[0]) < after.index("100%"), after[-3000:]  # planned before the sampling's steps

@@ -5,6 +5,7 @@ from __future__ import annotations
 from comfy_api.v0_0_2 import io
 
 from ..choices import ModelList, files
+from ..plan import session
 from .schedule import DEFAULT_SHIFT, reference_sigmas
 from .vae import load_vae
 
@@ -29,10 +30,14 @@ class ErnieImageScheduler(io.ComfyNode):
                                tooltip="4.0 is ERNIE-Image's trained shift (ComfyUI's native ERNIE uses 3.0)."),
             ],
             outputs=[io.Sigmas.Output()],
+            hidden=[io.Hidden.prompt],
         )
 
     @classmethod
     def execute(cls, model, steps: int, shift: float) -> io.NodeOutput:
+        # Runs again whenever its model or steps change, also where ComfyUI reuses every loader's output: a LoRA
+        # of core's loaders put after the DiT's loader, or new steps, are planned anew before the sampling.
+        session.plan_for_node(cls)
         return io.NodeOutput(reference_sigmas(steps, shift))
 
 
