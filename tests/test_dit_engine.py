@@ -26,6 +26,22 @@ def test_single_file_config_is_the_snapshot_config(tiny_models):
         assert (list(value) if isinstance(value, tuple) else value) == expected, key
 
 
+def test_a_folder_with_a_transformer_folder_but_no_model_index_is_read_where_the_plan_reads_it(tiny_models, tmp_path):
+    """One rule for a DiT folder (``model_files.dit_folder``): a snapshot without ``model_index.json`` (copied in
+    part) is read from its ``transformer/`` by the loader as by the plan and the saved quantized DiTs; the loader
+    read the folder itself before, where it found no weights."""
+    from comfyui_ernie_image.nodes.quant.saved import weight_files
+
+    partial = linked_copy(tiny_models["snapshot"], tmp_path / "partial",
+                          ignore=lambda folder, names: [n for n in names if n == "model_index.json"])
+    assert not (partial / "model_index.json").exists()
+    tensors, config = weights.read_dit(partial, torch.float32)
+    expected, expected_config = weights.read_dit(tiny_models["snapshot"], torch.float32)
+    assert config == expected_config == weights.dit_config(partial)
+    assert tensors.keys() == expected.keys() and all(torch.equal(tensors[k], expected[k]) for k in expected)
+    assert {f.parent for f in weight_files(partial)} == {partial / "transformer"}
+
+
 def test_released_model_shapes_give_the_released_config():
     """Shapes of the 8B DiT (docs/ARCHITECTURE.md §2) give its config, rope axes (32, 48, 48) included."""
     shapes = {

@@ -298,15 +298,13 @@ def tensor_locations(path: Path) -> tuple[dict[str, tuple[Path, str]], dict]:
 def _dit_source(path: Path) -> Path:
     """The folder (``transformer/``) or the safetensors file the DiT at ``path`` is read from."""
     if path.is_dir():
-        if (path / "model_index.json").is_file():
-            transformer_dir = path / "transformer"
-            if not transformer_dir.is_dir():
-                raise ErnieImageError(
-                    f"The snapshot {path} has no transformer/ folder. The download is incomplete: "
-                    "download the whole snapshot (baidu/ERNIE-Image or baidu/ERNIE-Image-Turbo)."
-                )
-            return transformer_dir
-        return path
+        folder = dit_folder(path)  # the one rule, as the plan and the saved quantized DiTs read the folder
+        if not folder.is_dir():
+            raise ErnieImageError(
+                f"The snapshot {path} has no transformer/ folder. The download is incomplete: "
+                "download the whole snapshot (baidu/ERNIE-Image or baidu/ERNIE-Image-Turbo)."
+            )
+        return folder
     if path.suffix != ".safetensors":
         raise ErnieImageError(f"{path} is not a .safetensors file; the DiT loads from safetensors and GGUF files only.")
     return path
