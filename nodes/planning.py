@@ -52,7 +52,18 @@ from .plan.describe import (
     vae_record,
 )
 from .plan.planner import GIB, BelowFloor, Card, Plan, plan
-from .plan.records import CPU, DIT, PER_PROMPT, PROMPT_ENHANCER, RESIDENT, TEXT_ENCODER, LoadRecord, LoraSet
+from .plan.records import (
+    CPU,
+    DIT,
+    LOADED,
+    PER_PROMPT,
+    PROMPT_ENHANCER,
+    RESIDENT,
+    SET,
+    TEXT_ENCODER,
+    LoadRecord,
+    LoraSet,
+)
 from .plan.session import AUTO
 from .quant.capability import FP8_MIN_ARCH, probe
 from .quant.saved import weight_files
@@ -240,12 +251,14 @@ def _dit(want: Wanted, device: torch.device, floor: int) -> LoadRecord:
     facts = probe(device)
     compiles = compiles_by_default(device)
     # An explicit setting, or under auto the form its loader made already (ComfyUI reuses its output).
-    fixed = _dit_setting(quantization, weight_dtype, gguf) or session.held_form(DIT, str(path))
+    explicit = _dit_setting(quantization, weight_dtype, gguf)
+    fixed = explicit or session.held_form(DIT, str(path))
     return dit_record(str(path), tensors, gguf_type=dominant_gguf_type(tensors) if gguf else None,
                       fp8_matmul=facts.torchao and facts.arch is not None and facts.arch >= FP8_MIN_ARCH,
                       runs=want.steps * want.forwards,
                       working=max(floor, step_estimate(ErnieImageConfig, want.latent, torch.bfloat16)),
-                      fixed=fixed, compute_scale=_pixels(want), compiles=compiles)
+                      fixed=fixed, fixed_by=SET if explicit else LOADED, compute_scale=_pixels(want),
+                      compiles=compiles)
 
 
 def _dit_setting(quantization: str, weight_dtype: str, gguf: bool) -> str | None:

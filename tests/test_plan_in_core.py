@@ -132,6 +132,8 @@ def test_explicit_values_of_a_saved_workflow_are_planned_around_on_a_faked_10gb_
     plan = planning.make_plan(_gguf_graph("default", "fp8_e4m3fn"))  # as the workflow was saved before auto
     te = plan.of(TEXT_ENCODER)
     assert te.form.setting == "fp8_e4m3fn" and te.place in (RESIDENT, PER_PROMPT, CPU)
+    assert f"text encoder fp8 (as set) {te.place} (device as set)" in plan.line()  # the plan says it kept them
+    assert "(as set)" not in planning.make_plan(_gguf_graph()).line()  # auto: nothing is set
 
 
 def test_adding_a_lora_to_a_graph_that_has_run_makes_a_new_plan_on_a_faked_10gb_card(card, true_size_files, caplog):
@@ -483,7 +485,8 @@ def test_a_dit_loaded_in_one_form_is_planned_in_it_until_its_loader_runs_again_o
     with caplog.at_level(logging.INFO):
         kept = session.plan_for(prompt)
     assert kept.of(DIT).form.setting == small
-    assert any("DiT fp8" in r.getMessage() for r in caplog.records if "plan for" in r.getMessage())
+    assert any("DiT fp8 (as loaded) resident" in r.getMessage() for r in caplog.records
+               if "plan for" in r.getMessage())  # the line says why the plan kept it
     session.loading(DIT, str(dit))  # its loader runs again
     assert session.plan_for(prompt).of(DIT).form.setting == free
 

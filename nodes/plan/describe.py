@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..gguf.dequant import BLOCKS
 from .costs import IMAGE_PNG
-from .records import CPU, DIT, PARTIAL, PER_PROMPT, RESIDENT, STREAMED, VAE, Form, LoadRecord, LoraSet
+from .records import CPU, DIT, PARTIAL, PER_PROMPT, RESIDENT, SET, STREAMED, VAE, Form, LoadRecord, LoraSet
 
 COMPUTE_BYTES = 2  # bf16: what the pack computes the models in on the GPUs it plans for
 ROW_SCALE = 4  # one fp32 scale per output row of an fp8 weight
@@ -116,12 +116,13 @@ def dominant_gguf_type(tensors: Iterable[Tensor]) -> str:
 
 
 def dit_record(source: str, tensors: list[Tensor], *, gguf_type: str | None, fp8_matmul: bool, runs: int,
-               working: int, fixed: str | None = None, compute_scale: float = 1.0,
+               working: int, fixed: str | None = None, fixed_by: str = SET, compute_scale: float = 1.0,
                compiles: bool = False) -> LoadRecord:
     """The DiT: as stored (bf16, or a GGUF file's types), fp8 storage cast per layer, and, where the GPU has FP8
     matmul and torchao, ``fp8_per_row`` (loaded whole). ``fixed``: the loader's explicit ``quantization/weight_dtype``
-    setting (None: ``auto``). Settings are ``quantization/weight_dtype`` pairs as the loader takes them.
-    ``compiles``: the loader compiles the blocks on this GPU (``COMPILED``)."""
+    setting, or the one its loader made already (``fixed_by``), None: ``auto``. Settings are
+    ``quantization/weight_dtype`` pairs as the loader takes them. ``compiles``: the loader compiles the blocks on this
+    GPU (``COMPILED``)."""
     s = sizes(tensors)
 
     def speedup(kind: str) -> float:
@@ -141,7 +142,8 @@ def dit_record(source: str, tensors: list[Tensor], *, gguf_type: str | None, fp8
         forms += (Form(quantization, fixed, f"dit:{quantization}", s.total_fp8 if quantization != "none" else s.total,
                        s.block if quantization == "none" else 0),)
     return LoadRecord(DIT, source, forms, (RESIDENT, PARTIAL, PER_PROMPT), working, runs, fixed_form=fixed,
-                      first_read_bytes=s.total, compute_scale=compute_scale)
+                      fixed_by=fixed_by if fixed is not None else "", first_read_bytes=s.total,
+                      compute_scale=compute_scale)
 
 
 def language_model_record(role: str, source: str, tensors: list[Tensor], *, runs: int, working: int,
@@ -170,7 +172,8 @@ def language_model_record(role: str, source: str, tensors: list[Tensor], *, runs
     if all(f.setting != fixed_form for f in forms):
         fixed_form = None  # a setting this file has no form of (fp8 of a GGUF file): its loader refuses it in words
     return LoadRecord(role, source, forms, tuple(p for p in possible if places is None or p in places), working, runs,
-                      fixed_form=fixed_form, first_read_bytes=s.total)
+                      fixed_form=fixed_form, fixed_by=SET if fixed_form is not None else "",
+                      places_set=places is not None, first_read_bytes=s.total)
 
 
 def _kind(role: str) -> str:

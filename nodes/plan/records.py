@@ -19,6 +19,8 @@ ROLES = (PROMPT_ENHANCER, TEXT_ENCODER, DIT, VAE)  # in the order a prompt runs 
 # every run (core's partial loading). PER_PROMPT: loaded whole on the GPU for its stage, then moved out for the next
 # model. CPU: computed on the CPU.
 RESIDENT, STREAMED, PARTIAL, PER_PROMPT, CPU = "resident", "streamed", "partial", "per prompt", "CPU"
+# Why a record's form is fixed, as the plan's line says it.
+SET, LOADED = "as set", "as loaded"
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,10 @@ class Form:
 class LoadRecord:
     """One model of the graph. ``runs``: how often it runs per prompt (the DiT: its forward passes; the PE: its new
     tokens; 1 for the text encoder and the VAE); ``working_bytes``: the GPU memory one run of a prompt of the
-    requested size takes beside the weights (activations, the decode's peak); ``fixed_form`` / ``fixed_place``: an
-    explicit loader value the plan must keep (None: ``auto``)."""
+    requested size takes beside the weights (activations, the decode's peak); ``fixed_form``: the form's setting the
+    plan must keep (None: ``auto``), ``fixed_by`` why (``SET``: the loader's explicit value; ``LOADED``: ComfyUI
+    reuses what the loader made under an earlier plan); ``places_set``: the loader's explicit device left ``places``
+    (the plan's line says both)."""
 
     role: str
     source: str
@@ -55,6 +59,8 @@ class LoadRecord:
     working_bytes: int = 0
     runs: int = 1
     fixed_form: str | None = None
+    fixed_by: str = ""
+    places_set: bool = False
     first_read_bytes: int = 0  # what the first prompt reads from disk
     compute_scale: float = 1.0  # a run's compute against the measured one (the DiT: the image's pixels / 1024²)
     # The measured CPU work (``costs.Costs.cpu_seconds``) that follows each run wherever the model runs, scaled as
