@@ -22,6 +22,7 @@ from .choices import DIT_MODELS, FROM_SNAPSHOT, SNAPSHOT_MODELS, SNAPSHOTS
 from .dit.model import ErnieImageConfig
 from .dit.vae import decode_memory
 from .errors import ErnieImageError
+from .gguf.dequant import bytes_per_value
 from .gguf.reader import read_gguf
 from .host.memory import torch_device
 from .host.plan import (
@@ -61,6 +62,7 @@ from .plan.records import (
     RESIDENT,
     SET,
     TEXT_ENCODER,
+    VAE,
     LoadRecord,
     LoraSet,
 )
@@ -405,17 +407,31 @@ def _say_once(words: str, level: int = logging.INFO) -> None:
 
 def below_floor_words(below: BelowFloor, usable: int, overhead: int, found: list[LoadRecord]) -> str:
     """Below the floor: the smallest card these files can serve (what they need, with ``overhead``: what this card
-    keeps from models now, its CUDA context, core's reserve and other programs), and what to download to go lower."""
-    dit = next((r for r in found if r.role == "DiT"), None)
-    gguf = dit is not None and any(f.name.startswith("GGUF") for f in dit.forms)
-    lower = ("a smaller GGUF of the DiT (Q3_K_M or Q2_K) in models/diffusion_models" if gguf else
-             "a GGUF of the DiT (the community's Q4_K_M, 5.2 GB) in models/diffusion_models, with the "
-             "ernie_image_turbo_gguf workflow")
-    return (f"These models need at least {below.needed / GIB:.1f} GiB of GPU memory for ComfyUI's models (with every "
-            f"part that can stream streamed); this GPU has {usable / GIB:.1f} GiB usable now, so the smallest card "
-            f"they can serve is about {(below.needed + overhead) / GIB:.1f} GiB with what this one keeps from models "
-            f"now (other programs, the CUDA context, ComfyUI's reserve). Close programs that use the GPU, or download "
-            f"{lower}.")
+    keeps from models now, its CUDA context, core's reserve and other programs), what sets that floor, and what
+    lowers it. The stage that needs the most sets it: the VAE's decode (its working memory grows with the image's
+    pixels; no smaller file lowers it), or the DiT's sampling (its working memory, and the one block that passes
+    through the card: a smaller GGUF has smaller blocks)."""
+    card = (below.needed + overhead) / GIB
+    words = (f"These models need at least {below.needed / GIB:.1f} GiB of GPU memory for ComfyUI's models (with every "
+             f"part that can stream streamed); this GPU has {usable / GIB:.1f} GiB usable now, so the smallest card "
+             f"they can serve is about {card:.1f} GiB with what this one keeps from models now (other programs, the "
+             "CUDA context, ComfyUI's reserve). Close programs that use the GPU")
+    stage = f"{below.stage_bytes / GIB:.1f} GiB"
+    if below.stage == VAE:
+        return (f"{words}, or make a smaller image: the VAE's decode of this image size needs {stage} by itself, "
+                "and no smaller file lowers that.")
+    dit = next((r for r in found if r.role == DIT), None)
+    if below.stage != DIT or dit is None:
+        return f"{words}."
+    kinds = [f.gguf_type for f in dit.forms if f.gguf_type]
+    smaller = [t for t in ("Q3_K", "Q2_K") if kinds and bytes_per_value(t) < bytes_per_value(kinds[0])]
+    files = " or ".join({"Q3_K": "Q3_K_M"}.get(t, t) for t in smaller)  # as the community's files are named
+    download = (f", or download a smaller GGUF of the DiT ({files}) into models/diffusion_models: its "
+                "blocks pass through the card one at a time" if smaller else
+                "" if kinds else
+                ", or download a GGUF of the DiT (the community's Q4_K_M, 5.2 GB) into models/diffusion_models, with "
+                "the ernie_image_turbo_gguf workflow: its blocks pass through the card one at a time")
+    return f"{words}, or make a smaller image (the DiT's sampling of this image size needs {stage}){download}."
 
 
 session.register(make_plan)

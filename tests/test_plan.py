@@ -151,6 +151,25 @@ def test_below_the_floor_the_least_memory_that_serves_these_files_is_named():
         plan(records, Card(needed - 2**25, PINNABLE), costs(), lora)
 
 
+def test_below_the_floor_the_stage_that_needs_the_most_is_named_and_lowering_it_lowers_the_floor():
+    """At 1024² the VAE's decode (1.2 GiB of working memory) sets the floor, not the DiT, whose blocks pass through
+    the card: a smaller image's decode lowers it. Where the decode needs little, the DiT's sampling sets it."""
+    records, lora = graph(gguf=True)
+    with pytest.raises(BelowFloor) as below:
+        plan(records, Card(GIB, PINNABLE), costs(), lora)
+    vae = next(r for r in records if r.role == VAE)
+    assert below.value.stage == VAE and below.value.stage_bytes >= vae.working_bytes
+    quarter = [dataclasses.replace(r, working_bytes=r.working_bytes // 4) if r.role == VAE else r for r in records]
+    with pytest.raises(BelowFloor) as smaller:
+        plan(quarter, Card(GIB // 4, PINNABLE), costs(), lora)  # a 512² image's decode
+    assert smaller.value.needed < below.value.needed - GIB // 4 and smaller.value.stage == DIT  # the next one
+    light = [dataclasses.replace(r, working_bytes=0) if r.role == VAE else r for r in records]
+    with pytest.raises(BelowFloor) as sampling:
+        plan(light, Card(GIB // 4, PINNABLE), costs(), lora)
+    dit = next(r for r in records if r.role == DIT)
+    assert sampling.value.stage == DIT and sampling.value.stage_bytes == dit.working_bytes + dit.forms[0].block_bytes
+
+
 def test_a_lora_is_counted_with_a_resident_dit():
     records, lora = graph(gguf=True, lora=True)
     chosen = plan(records, Card(int(11.1 * GIB), PINNABLE), costs(), lora)

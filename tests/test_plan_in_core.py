@@ -5,6 +5,7 @@ given (no GPU to measure). Both are faults a CPU cannot produce, so the tests sa
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 
@@ -151,15 +152,44 @@ def test_adding_a_lora_to_a_graph_that_has_run_makes_a_new_plan_on_a_faked_10gb_
     assert with_lora is not first and with_lora.lora is not None and "1 LoRA" in lines[1]
 
 
-def test_below_the_floor_the_error_names_the_least_memory_and_what_to_download_on_a_faked_2gb_card(
+def test_below_the_floor_the_error_names_the_least_memory_and_what_lowers_it_on_a_faked_2gb_card(
         card, true_size_files):
     from comfyui_ernie_image.nodes import planning
     from comfyui_ernie_image.nodes.errors import ErnieImageError
 
     card(2)
     with pytest.raises(ErnieImageError, match=r"need at least \d+\.\d GiB .* smallest card they can serve is about "
-                       r"\d+\.\d GiB .* smaller GGUF of the DiT"):
-        planning.make_plan(_gguf_graph())
+                       r"\d+\.\d GiB .* make a smaller image: the VAE's decode of this image size needs 1\.\d GiB "
+                       r"by itself, and no smaller file lowers that\.$"):
+        planning.make_plan(_gguf_graph())  # 1024²: the decode sets the floor, not the DiT (whose blocks stream)
+
+
+@pytest.mark.parametrize(("gguf_type", "advice"), [
+    ("Q4_K", "or download a smaller GGUF of the DiT (Q3_K_M or Q2_K) into models/diffusion_models"),
+    ("Q3_K", "or download a smaller GGUF of the DiT (Q2_K) into models/diffusion_models"),
+    ("Q2_K", None),
+    (None, "or download a GGUF of the DiT (the community's Q4_K_M, 5.2 GB) into models/diffusion_models"),
+])
+def test_below_a_floor_the_dits_sampling_sets_a_smaller_gguf_is_named_only_where_one_exists(gguf_type, advice):
+    """Where the DiT's sampling sets the floor (its working memory and one block passing through), a smaller GGUF
+    type than the file's lowers it; a Q2_K file has none smaller, and the words do not offer one."""
+    from comfyui_ernie_image.nodes import planning
+    from comfyui_ernie_image.nodes.plan.planner import BelowFloor, Card, plan
+    from comfyui_ernie_image.nodes.plan.records import DIT, VAE
+    from helpers.plan_records import graph
+
+    records, _ = graph(gguf=gguf_type is not None)
+    records = [dataclasses.replace(r, working_bytes=0) if r.role == VAE else
+               dataclasses.replace(r, forms=tuple(dataclasses.replace(f, gguf_type=gguf_type) for f in r.forms))
+               if r.role == DIT and gguf_type else r for r in records]
+    with pytest.raises(BelowFloor) as below:
+        plan(records, Card(GIB // 4, 16 * GIB), costs())
+    words = planning.below_floor_words(below.value, GIB // 4, GIB, records)
+    assert below.value.stage == DIT and "or make a smaller image (the DiT's sampling of this image size needs" in words
+    if advice is None:
+        assert "download" not in words and words.endswith("GiB).")
+    else:
+        assert advice in words
 
 
 class OutOfMemoryOnce(TorchFunctionMode):

@@ -53,6 +53,12 @@ UNSUPPORTED_ADVICE = (f"The pack reads the GGUF types {BLOCK_TYPE_NAMES} (commun
 CHUNK_VALUES = 1 << 24
 
 
+def bytes_per_value(kind: str) -> float:
+    """What one number of a tensor of block type ``kind`` takes in the file."""
+    values, size = BLOCKS[kind]
+    return size / values
+
+
 def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
     """The fp16 number at ``offset`` of every block, as float32 ``[n, 1]``."""
     return blocks[:, offset:offset + 2].contiguous().view(torch.float16).float()

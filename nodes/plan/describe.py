@@ -130,7 +130,7 @@ def dit_record(source: str, tensors: list[Tensor], *, gguf_type: str | None, fp8
 
     if gguf_type is not None:
         forms = (Form(f"GGUF {gguf_type}", "none/default", f"dit:gguf:{gguf_type}", s.total, s.block,
-                      speedup("gguf")),)
+                      speedup("gguf"), gguf_type=gguf_type),)
     else:
         forms = (Form("bf16", "none/default", "dit:bf16", s.total, s.block, speedup("bf16")),
                  Form("fp8", "none/fp8_e4m3fn", "dit:fp8_cast", s.total_fp8, s.block_fp8, speedup("fp8_cast")))
@@ -162,7 +162,7 @@ def language_model_record(role: str, source: str, tensors: list[Tensor], *, runs
 
     if gguf is not None:
         forms = (Form(f"GGUF {gguf}", "default", f"{_kind(role)}:gguf:{gguf}", s.total, streamed[0],
-                      keeps_host_copy=True),)
+                      keeps_host_copy=True, gguf_type=gguf),)
     else:
         forms = (Form("bf16", "default", f"{_kind(role)}:bf16", s.total, streamed[0], speedup("bf16"),
                       keeps_host_copy=True),

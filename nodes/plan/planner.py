@@ -140,11 +140,16 @@ class Plan:
 
 
 class BelowFloor(ValueError):
-    """No plan fits: ``needed`` is the least usable memory any plan of these files needs."""
+    """No plan fits: ``needed`` is the least usable memory any plan of these files needs; ``lowest`` that plan's
+    placements; ``stage`` the role whose own stage needs the most there (what a smaller image, or a smaller file of
+    that model, would lower), ``stage_bytes`` what it needs."""
 
     def __init__(self, needed: int, lowest: tuple[Placement, ...]):
         super().__init__(f"needs {needed / GIB:.1f} GiB usable")
         self.needed, self.lowest = needed, lowest
+        needs = {p.role: _stage_need(p.record, p.form, p.place) for p in lowest}
+        self.stage = max(needs, key=needs.get) if needs else None
+        self.stage_bytes = needs.get(self.stage, 0)
 
 
 def _options(record: LoadRecord) -> list[tuple[Form, str]]:
@@ -175,9 +180,11 @@ def _held(record: LoadRecord, form: Form, lora_bytes: int) -> int:
 
 def _stage_need(record: LoadRecord, form: Form, place: str) -> int:
     """What a model's own stage needs beside what stays on the GPU: its weights where core loads them for the stage
-    (with core's margin), two streamed blocks, and its working memory."""
+    (with core's margin), two streamed blocks (a partial DiT: one), and its working memory."""
     if place == CPU:
         return 0
+    if place == PARTIAL:  # at least one block passes through beside the working memory (``_partial``)
+        return form.block_bytes + record.working_bytes
     held = {PER_PROMPT: int(form.weight_bytes * LOAD_MARGIN), STREAMED: 2 * form.block_bytes}.get(place, 0)
     return held + record.working_bytes
 
@@ -204,7 +211,7 @@ def _partial(choice: Sequence[tuple[LoadRecord, Form, str]], at: int, lora_bytes
     others = [c for i, c in enumerate(choice) if i != at]
     if any(place == RESIDENT for _, _, place in others):
         return None
-    need = record.working_bytes + form.block_bytes  # at least one block passes through beside the working memory
+    need = _stage_need(record, form, PARTIAL)
     kept = min(_held(record, form, lora_bytes), usable - need)
     if kept < 0:
         return None

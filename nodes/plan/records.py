@@ -41,6 +41,7 @@ class Form:
     # Loaded whole per prompt, it keeps its host copy, pinned (the text encoder, the PE, the VAE, the torchao DiT
     # without a LoRA: ``host/host_copy.py``): each load copies at the pinned rate and nothing is copied back.
     keeps_host_copy: bool = False
+    gguf_type: str | None = None  # a GGUF file as it is: its dominant block type (``gguf.dequant.BLOCKS``)
 
 
 @dataclass(frozen=True)
