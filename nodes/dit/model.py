@@ -172,8 +172,7 @@ class ErnieImageModel(BaseModel):
         saving = 0 if gguf else one_byte_saving(blocks)
         gguf_saving = 0 if gguf else sum(max(tensor_bytes(w) - q, 0) for w in blocks
                                          if (q := q4_k_m_bytes(w)) is not None)
-        storage = getattr(getattr(dit, "precision", None), "storage", None) or self.get_dtype()
-        return PackModel(DIT, module_bytes(dit), dtype_name(storage), fp8_saving=saving,
+        return PackModel(DIT, module_bytes(dit), dtype_name(dit.precision.storage), fp8_saving=saving,
                          quantization=dit.quantization,
                          quantize_to=dit.quantize_to, quantize_saving=saving,
                          gguf_saving=gguf_saving)
