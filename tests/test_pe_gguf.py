@@ -10,14 +10,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
+from comfyui_ernie_image.nodes.gguf.dequant import BLOCKS
 from comfyui_ernie_image.nodes.gguf.linear import GGUFBlockLinear
 from comfyui_ernie_image.nodes.pe.local.weights import path_source
 from comfyui_ernie_image.nodes.pe.nodes import ErnieImagePELoader
 from comfyui_ernie_image.nodes.pe.protocol import EnhancerError, PromptSpec, SamplingParams
-from helpers.gguf_files import dequantized_twin
+from helpers.gguf_files import dequantized_twin, retyped, rewrite_gguf
 
 FIXTURE = Path(__file__).parent / "fixtures" / "gguf" / "ernie-image-prompt-enhancer-tiny-Q8_0.gguf"
 PROMPTS = [PromptSpec("a cat", 1024, 1024), PromptSpec("一只黑白相间的中华田园犬", 1264, 848),
@@ -69,6 +72,39 @@ def test_gguf_pe_stays_near_the_pe_it_was_converted_from(tiny_models):
         with torch.inference_mode():
             actual, expected = model(input_ids=ids).logits, original(input_ids=ids).logits
         assert float((actual - expected).norm() / expected.norm()) <= LOGIT_ERROR
+
+
+@pytest.mark.parametrize("kind", [k for k in BLOCKS if k != "Q8_0"])
+def test_every_gguf_type_of_the_dit_in_a_mixed_pe_gives_the_greedy_tokens_of_its_twin(tiny_models, tmp_path, kind):
+    """Community files mix types (a Q4_K_M keeps some tensors in Q6_K): two attention output projections (rows of 256
+    values, which every block type fills) in ``kind``, the third in Q6_K, the embeddings in F16, beside the
+    converter's Q8_0. The PE decodes every layer of every token through them."""
+    reader, rng = gguf.GGUFReader(str(FIXTURE)), np.random.default_rng(1)
+    kinds = {"blk.0.attn_output.weight": kind, "blk.1.attn_output.weight": kind, "blk.2.attn_output.weight": "Q6_K",
+             "token_embd.weight": "F16"}
+    path = rewrite_gguf(FIXTURE, tmp_path / f"mixed-{kind}.gguf", tensors={
+        name: (retyped(k, name, reader, rng), gguf.GGMLQuantizationType[k]) for name, k in kinds.items()})
+    twin = dequantized_twin(path, tiny_models["pe_single_file"], tmp_path / f"mixed-{kind}.safetensors")
+    model, tokenizer = path_source(path).load(torch.float32)
+    twin_model, _ = path_source(twin).load(torch.float32)
+    assert {m.kind for m in model.modules() if isinstance(m, GGUFBlockLinear)} == {kind, "Q6_K", "Q8_0"}
+    for spec in PROMPTS[:2]:
+        ids = _chat_ids(tokenizer, spec)
+        expected = _greedy(twin_model, ids)
+        assert expected.shape[1] > ids.shape[1]
+        assert torch.equal(_greedy(model, ids), expected)
+
+
+def test_a_pe_file_named_as_mistrals_own_ministral_or_with_a_layer_of_the_wrong_shape_is_refused_by_name(tmp_path):
+    renamed = rewrite_gguf(FIXTURE, tmp_path / "renamed.gguf", fields={"general.name": "Ministral 3 3B Instruct"})
+    with pytest.raises(EnhancerError, match=r"renamed\.gguf is named Ministral 3 3B Instruct \(general\.name\): "
+                       r"Mistral's own Ministral 3, not ERNIE-Image's prompt enhancer"):
+        path_source(renamed).load(torch.float32)
+    up = next(t for t in gguf.GGUFReader(str(FIXTURE)).tensors if t.name == "blk.2.ffn_up.weight")
+    narrower = rewrite_gguf(FIXTURE, tmp_path / "narrower.gguf",
+                            tensors={up.name: (np.array(up.data)[:-2], up.tensor_type)})  # 62 rows of 64
+    with pytest.raises(EnhancerError, match=r"narrower\.gguf.*blk\.2\.ffn_up\.weight.*\[62, 32\].*\[64, 32\]"):
+        path_source(narrower).load(torch.float32)
 
 
 @pytest.fixture

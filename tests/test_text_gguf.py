@@ -23,10 +23,16 @@ from comfyui_ernie_image.nodes.errors import ErnieImageError
 from comfyui_ernie_image.nodes.gguf.dequant import BLOCKS
 from comfyui_ernie_image.nodes.gguf.linear import GGUFBlockEmbedding, GGUFBlockLinear
 from comfyui_ernie_image.nodes.text.encoder import ErnieTextEncoder
-from helpers.gguf_files import converter_permute, dequantized_twin, rewrite_gguf, set_tensor_offset, tensor_offset
+from helpers.gguf_files import (
+    converter_permute,
+    dequantized_twin,
+    retyped,
+    rewrite_gguf,
+    set_tensor_offset,
+    tensor_offset,
+)
 from helpers.reference import saved_image
 from helpers.workflows import text_to_image
-from scripts.gguf_writer import random_blocks
 
 FIXTURE = Path(__file__).parent / "fixtures" / "gguf" / "ernie-image-text-encoder-tiny-Q8_0.gguf"
 PROMPTS = ["a red cat sits on a blue mat", "", "一只 红色 的 猫", "3 dogs, 42 cats & 2024's moon!\n[INST]</s>",
@@ -277,19 +283,6 @@ def test_a_graph_with_the_gguf_text_encoder_gives_its_twins_image(comfy_server, 
     assert np.array_equal(images[0], images[1])
 
 
-def _retyped(kind: str, name: str, reader: gguf.GGUFReader, rng: np.random.Generator) -> np.ndarray:
-    """Tensor ``name`` of the file as ``kind``: its values quantized by ``gguf.quants`` where it can, else random
-    valid blocks (the K-quants, which it cannot write)."""
-    tensor = next(t for t in reader.tensors if t.name == name)
-    values = gguf.quants.dequantize(np.array(tensor.data), tensor.tensor_type).reshape(tensor.shape[::-1])
-    if kind in ("F32", "F16"):
-        return values.astype(np.float32 if kind == "F32" else np.float16)
-    try:
-        return gguf.quants.quantize(values.astype(np.float32), gguf.GGMLQuantizationType[kind])
-    except NotImplementedError:
-        return random_blocks(kind, values.size, rng).reshape(values.shape[0], -1)
-
-
 @pytest.mark.parametrize("kind", [k for k in BLOCKS if k != "Q8_0"])
 def test_every_gguf_type_of_the_dit_encodes_exactly_like_its_twin(tiny_models, tmp_path, kind):
     """Community files mix types (a Q4_K_M keeps some tensors in Q6_K): the attention output projections (rows of
@@ -299,7 +292,7 @@ def test_every_gguf_type_of_the_dit_encodes_exactly_like_its_twin(tiny_models, t
     kinds = {f"blk.{i}.attn_output.weight": kind for i in range(3)}
     kinds.update({"token_embd.weight": "F16", "blk.1.attn_q.weight": "F32"})
     path = _variant(tmp_path, f"mixed-{kind}.gguf", tensors={
-        name: (_retyped(k, name, reader, rng), gguf.GGMLQuantizationType[k]) for name, k in kinds.items()})
+        name: (retyped(k, name, reader, rng), gguf.GGMLQuantizationType[k]) for name, k in kinds.items()})
     twin = dequantized_twin(path, tiny_models["text_encoder_file"], tmp_path / f"mixed-{kind}.safetensors")
     from_gguf, from_twin = ErnieTextEncoder.from_gguf(path, torch.float32), ErnieTextEncoder.from_single_file(
         twin, torch.float32)

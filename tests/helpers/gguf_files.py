@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from scripts.gguf_writer import ORIG_SHAPE, SCALES
+from scripts.gguf_writer import ORIG_SHAPE, SCALES, random_blocks
 
 
 def reference_state(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -172,3 +172,16 @@ def dequantized_twin(source: Path, tekken_from: Path, path: Path) -> Path:
     state["tekken_model"] = load_file(tekken_from)["tekken_model"]
     save_file(state, str(path))
     return path
+
+
+def retyped(kind: str, name: str, reader: gguf.GGUFReader, rng: np.random.Generator) -> np.ndarray:
+    """Tensor ``name`` of the file as ``kind``: its values quantized by ``gguf.quants`` where it can, else random
+    valid blocks (the K-quants, which it cannot write)."""
+    tensor = next(t for t in reader.tensors if t.name == name)
+    values = gguf.quants.dequantize(np.array(tensor.data), tensor.tensor_type).reshape(tensor.shape[::-1])
+    if kind in ("F32", "F16"):
+        return values.astype(np.float32 if kind == "F32" else np.float16)
+    try:
+        return gguf.quants.quantize(values.astype(np.float32), gguf.GGMLQuantizationType[kind])
+    except NotImplementedError:
+        return random_blocks(kind, values.size, rng).reshape(values.shape[0], -1)
