@@ -115,10 +115,13 @@ def listed(placed, twin):
     return {key: f"text_encoders/{name}" for key, name in names.items()}
 
 
-def test_the_pe_loader_lists_a_gguf_pe_and_enhances_like_the_twin(listed):
+def test_the_pe_loader_lists_a_gguf_pe_and_enhances_like_the_twin(listed, placed):
     from comfyui_ernie_image.nodes.text.nodes import ErnieImageTextEncoderLoader
 
     assert listed["gguf"] in ErnieImagePELoader.define_schema().inputs[0].options
+    placed("text_encoders", "upper/ernie-image-prompt-enhancer-tiny.GGUF").write_bytes(FIXTURE.read_bytes())
+    assert "text_encoders/upper/ernie-image-prompt-enhancer-tiny.GGUF" in ErnieImagePELoader.define_schema(
+        ).inputs[0].options  # a suffix in capitals is a GGUF file to every list of the pack, as to is_gguf
     assert listed["gguf"] not in ErnieImageTextEncoderLoader.define_schema().inputs[0].options
     texts = []
     for key in ("gguf", "twin"):

@@ -10,6 +10,7 @@ from pathlib import Path
 import folder_paths
 
 from ..choices import SNAPSHOTS, ModelList, Source
+from ..model_files import is_gguf
 from ..paths import (
     gguf_names,
     inside,
@@ -33,7 +34,7 @@ def _is_pe_folder(folder: Path) -> bool:
 
 def _text_encoder_pe_names() -> list[str]:
     files = {n for n in [*folder_paths.get_filename_list("text_encoders"), *gguf_names("text_encoders")]
-             if n.endswith((".safetensors", ".gguf")) and is_prompt_enhancer_file(n)}
+             if (n.endswith(".safetensors") or is_gguf(n)) and is_prompt_enhancer_file(n)}
     return sorted(files.union(model_folders("text_encoders", _is_pe_folder)))
 
 
