@@ -158,9 +158,15 @@ class MinistralGGUF:
         logging.info("ERNIE-Image: %s: a GGUF %s named %s", self.path, self.what, quoted(names["general.name"]))
         for key, value in names.items():
             if isinstance(value, str) and MISTRAL_RELEASE.search(value):
+                # Unverified either way: no model card says whether ERNIE-Image's text encoder is one of Mistral's
+                # checkpoints unchanged (its snapshot ships the whole Mistral3Model, vision tower included), and
+                # community guides pair ERNIE-Image with these files (README, "GGUF text encoders and PEs").
                 raise self.error(
                     f"{self.path} is named {quoted(value)} ({key}): Mistral's own Ministral 3, not ERNIE-Image's "
-                    f"{self.what} (their tensors have the same shapes, but not the same weights). {self.instead}")
+                    f"{self.what} as its snapshot ships it. Their tensors have the same shapes; whether the weights "
+                    f"are the same, no model card says, and another {self.what} would change every image without an "
+                    f"error, so the pack does not take it. {self.instead}, or convert ERNIE-Image's own with "
+                    "llama.cpp's convert_hf_to_gguf.py.")
 
     def _config(self, header, layers: int):
         """The Ministral 3 geometry the token embeddings and the first layer imply (Ministral 3's rope settings)."""

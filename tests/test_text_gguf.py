@@ -116,8 +116,11 @@ def test_a_layer_of_the_wrong_shape_is_refused_by_name(tmp_path):
 def test_a_file_named_as_mistrals_own_ministral_is_refused(tmp_path, key):
     path = _variant(tmp_path, "renamed.gguf", fields={key: "Ministral 3 3B Instruct 2512"})
     with pytest.raises(ErnieImageError, match=rf"renamed\.gguf is named Ministral 3 3B Instruct 2512 \({key}\): "
-                       r"Mistral's own Ministral 3, not ERNIE-Image's text encoder"):
+                       r"Mistral's own Ministral 3, not ERNIE-Image's text encoder as its snapshot ships it\. "
+                       r"Their tensors have the same shapes; whether the weights are the same, no model card "
+                       r"says") as refused:
         ErnieTextEncoder.from_gguf(path, torch.float32)
+    assert str(refused.value).endswith("or convert ERNIE-Image's own with llama.cpp's convert_hf_to_gguf.py.")
 
 
 def test_a_file_of_another_architecture_is_refused(tmp_path):
