@@ -185,6 +185,27 @@ def test_without_pinnable_memory_streaming_is_priced_at_the_pageable_bandwidth()
     assert pageable.warm > pinned.warm
 
 
+def test_what_a_partial_dit_with_a_lora_gives_up_is_priced_at_the_rate_measured_with_a_lora(monkeypatch):
+    """With a LoRA, what the DiT gives up to the decode and loads again cost about 1 GB/s on the 8 GB cards (the
+    H200 and H100 runs, bench/RESULTS.md sessions 29 and 31), not the 2.2 GB/s measured without one."""
+    from comfyui_ernie_image.nodes.plan import planner
+
+    records, lora = graph(gguf=True, lora=True)
+    card = Card(int(5.8 * GIB), PINNABLE)  # the whole DiT while it samples, part of it given to the decode
+    chosen = plan(records, card, costs(), lora).of(DIT)
+    assert chosen.place == PARTIAL
+    streamed = chosen.form.weight_bytes + lora.patch_bytes - chosen.gpu_bytes
+    given_up = chosen.copied - chosen.record.runs * streamed
+    assert given_up > 0
+    with_lora, without = planner.CORE_RELOAD_LORA, planner.CORE_RELOAD
+    monkeypatch.setattr(planner, "CORE_RELOAD_LORA", without)
+    as_without = plan(records, card, costs(), lora).of(DIT)
+    assert (as_without.place, as_without.copied) == (PARTIAL, chosen.copied)
+    pinned = costs().pinned
+    assert chosen.seconds - as_without.seconds == pytest.approx(
+        given_up / (pinned * with_lora) - given_up / (pinned * without))
+
+
 def test_a_partial_dit_keeps_what_fits_and_streams_the_rest_each_step():
     """At sampling core loads what fits of the DiT beside its working memory and a block passing through; the decode
     then takes its room from the DiT, which loads it again at the next sampling: that comes on top of the layers

@@ -13,9 +13,10 @@ usable memory.
 Time: each model's runs at the measured cost of its form (``costs``), plus the bytes it moves each prompt at the
 measured bandwidth (pinned for streamed weights and for the host copy a per-prompt model keeps, the text encoder,
 the PE or an FP8 DiT without LoRA, where core may pin them all; pageable for whole loads of the others, in and out;
-for core's partial loading the rates it reached on the H200, ``CORE_STREAMING`` and ``CORE_RELOAD``), plus the CPU
-work after a run (``LoadRecord.host_work``: the decode's image saved as a PNG, 0.2-0.3 s of every measured prompt,
-the same in every plan). Every combination is tried (a handful of forms and places per model).
+for core's partial loading the rates it reached on the H200, ``CORE_STREAMING`` and ``CORE_RELOAD`` or, with a LoRA,
+``CORE_RELOAD_LORA``), plus the CPU work after a run (``LoadRecord.host_work``: the decode's image saved as a PNG,
+0.2-0.3 s of every measured prompt, the same in every plan). Every combination is tried (a handful of forms and
+places per model).
 
 Host RAM: what is not on the GPU between stages is in host RAM (a model on the CPU, streamed, loaded per prompt, or
 what a partial DiT does not keep or gives up); a DiT with a LoRA holds all its weights and the LoRA there wherever it
@@ -54,6 +55,11 @@ SWAP_BYTES_PER_S = DISK_BYTES_PER_S
 # the next sampling (2.2 GB/s for the pair: 0.94 GB given up cost 0.43 s on 7 GB against 8 GB).
 CORE_STREAMING = 0.35
 CORE_RELOAD = 0.042
+# The same pair for a DiT with a LoRA, whose layers given up carry their LoRA factors (pageable, from the LoRA file):
+# about 1 GB/s (the H200's 8 GB card, session 29: 424 MB given up to each decode cost +0.24 s in VAE Decode and
+# +0.18 s at the next sampling; the H100's, session 31: +0.22 and +0.17 s). At 2.2 GB/s the plan predicted that
+# row 1.48 x short.
+CORE_RELOAD_LORA = 0.019
 # What the process keeps allocated beside the models between stages (cuBLAS workspaces, latents, encodings, the
 # streamed text encoder's buffers): on the H200's 8 GB card core found 0.51 GiB less free before the decode than the
 # plan counted with the LoRA, and with no LoRA at most 0.43 (it unloaded nothing) (2026-12-05).
@@ -278,7 +284,7 @@ def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | No
             share = streams / form.weight_bytes
             seconds = (record.runs * run * (1 + share * (1 / form.compiled - 1))
                        + record.runs * streams / (costs.pinned * CORE_STREAMING)
-                       + partial.lost / (costs.pinned * CORE_RELOAD))
+                       + partial.lost / (costs.pinned * (CORE_RELOAD_LORA if lora_bytes else CORE_RELOAD)))
         elif place == PER_PROMPT:
             # Loaded whole for its stage and moved back to the host when the next model needs the room; a model that
             # keeps its host copy is only copied in.
