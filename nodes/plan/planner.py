@@ -55,10 +55,10 @@ SWAP_BYTES_PER_S = DISK_BYTES_PER_S
 # the next sampling (2.2 GB/s for the pair: 0.94 GB given up cost 0.43 s on 7 GB against 8 GB).
 CORE_STREAMING = 0.35
 CORE_RELOAD = 0.042
-# The same pair for a DiT with a LoRA, whose layers given up carry their LoRA factors (pageable, from the LoRA file):
-# about 1 GB/s (the H200's 8 GB card, session 29: 424 MB given up to each decode cost +0.24 s in VAE Decode and
-# +0.18 s at the next sampling; the H100's, session 31: +0.22 and +0.17 s). At 2.2 GB/s the plan predicted that
-# row 1.48 x short.
+# The same pair for a DiT with a LoRA: about 1 GB/s (the H200's 8 GB card, session 29: 424 MB given up to each
+# decode cost +0.24 s in VAE Decode and +0.18 s at the next sampling; the H100's, session 31: +0.22 and +0.17 s).
+# Why it is slower is not profiled yet (the layers' LoRA factors travel with them, from pageable memory, one guess).
+# At 2.2 GB/s the plan predicted that row 1.48 x short.
 CORE_RELOAD_LORA = 0.019
 # What the process keeps allocated beside the models between stages (cuBLAS workspaces, latents, encodings, the
 # streamed text encoder's buffers): on the H200's 8 GB card core found 0.51 GiB less free before the decode than the
