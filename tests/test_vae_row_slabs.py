@@ -134,7 +134,8 @@ def test_the_loaders_vae_decodes_the_same_image_in_slabs(tiny_models, monkeypatc
     assert not any(isinstance(m, host_vae._RowSlabConv) for m in vae.first_stage_model.encoder.modules())
     assert host_vae.decode_in_row_slabs(decoder) == 0  # once is enough
     # In float64: slabs sum each convolution in another order, which in float32 moved one of 23,040 values by
-    # 1.04e-5 (torch 2.14.1, 2 CPU cores); in float64 the two agree within a few of the output's float32 steps.
+    # 1.04e-5 on one 2-core CI-like machine (torch 2.14.1; CPUs differ in the kernels they pick); in float64 the two
+    # agree within a few of the output's float32 steps.
     vae.first_stage_model.to(torch.float64)
     vae.vae_dtype = torch.float64
     torch.manual_seed(1)
