@@ -22,7 +22,7 @@ from .choices import DIT_MODELS, FROM_SNAPSHOT, SNAPSHOT_MODELS, SNAPSHOTS
 from .dit.model import ErnieImageConfig
 from .dit.vae import decode_memory
 from .errors import ErnieImageError
-from .gguf.dequant import bytes_per_value
+from .gguf.dequant import BLOCKS, bytes_per_value
 from .gguf.reader import read_gguf
 from .host.memory import torch_device
 from .host.plan import (
@@ -423,15 +423,19 @@ def below_floor_words(below: BelowFloor, usable: int, overhead: int, found: list
     dit = next((r for r in found if r.role == DIT), None)
     if below.stage != DIT or dit is None:
         return f"{words}."
-    kinds = [f.gguf_type for f in dit.forms if f.gguf_type]
-    smaller = [t for t in ("Q3_K", "Q2_K") if kinds and bytes_per_value(t) < bytes_per_value(kinds[0])]
+    words += f", or make a smaller image (the DiT's sampling of this image size needs {stage})"
+    gguf = next((f.gguf_type for f in dit.forms if f.gguf_type), None)
+    if gguf is None:
+        return (f"{words}, or download a GGUF of the DiT (the community's Q4_K_M, 5.2 GB) into "
+                "models/diffusion_models, with the ernie_image_turbo_gguf workflow: its blocks pass through the card "
+                "one at a time.")
+    # The two smallest types the pack reads below the file's (``BLOCKS`` goes from the most bits to the fewest).
+    smaller = [t for t in BLOCKS if bytes_per_value(t) < bytes_per_value(gguf)][-2:]
+    if not smaller:
+        return f"{words}."
     files = " or ".join({"Q3_K": "Q3_K_M"}.get(t, t) for t in smaller)  # as the community's files are named
-    download = (f", or download a smaller GGUF of the DiT ({files}) into models/diffusion_models: its "
-                "blocks pass through the card one at a time" if smaller else
-                "" if kinds else
-                ", or download a GGUF of the DiT (the community's Q4_K_M, 5.2 GB) into models/diffusion_models, with "
-                "the ernie_image_turbo_gguf workflow: its blocks pass through the card one at a time")
-    return f"{words}, or make a smaller image (the DiT's sampling of this image size needs {stage}){download}."
+    return (f"{words}, or download a smaller GGUF of the DiT ({files}) into models/diffusion_models: its blocks pass "
+            "through the card one at a time.")
 
 
 session.register(make_plan)

@@ -14,10 +14,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from conftest import REPO
+from helpers.card_faults import answer_as_card
 from helpers.plan_files import sparse_gguf_dit, sparse_safetensors, sparse_text_encoder, sparse_vae
 from helpers.plan_records import GIB, costs
 
-CONTEXT = int(0.5 * GIB)  # what a CUDA context takes of a real card, outside torch's allocator
 HOST_ROOM = 48 * GIB
 
 
@@ -39,14 +39,7 @@ def card(monkeypatch):
     from comfyui_ernie_image.nodes import planning
 
     def answer(gib: float) -> None:
-        total = int(gib * GIB)
-        monkeypatch.setattr(comfy.cli_args.args, "cpu", False)  # the tests' core runs with --cpu
-        monkeypatch.setattr(mm, "is_device_cuda", lambda device: True)
-        monkeypatch.setattr(mm, "get_total_memory", lambda dev=None, torch_total_too=False:
-                            (total, total) if torch_total_too else total)
-        monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False:
-                            (total - CONTEXT, 0) if torch_free_too else total - CONTEXT)
-        monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 16 * GIB)  # core's bound on an NVIDIA machine of 17 GiB
+        answer_as_card(monkeypatch.setattr, mm, comfy.cli_args.args, gib)
         monkeypatch.setattr(planning, "costs_here", lambda device: costs())
         monkeypatch.setattr(planning, "host_room", lambda: HOST_ROOM)  # the host RAM of a 64 GB machine, not CI's
         monkeypatch.setenv(planning.STREAM_TEXT_ENCODER_ENV, "on")

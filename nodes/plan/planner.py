@@ -126,7 +126,7 @@ class Plan:
         """The plan in one line, as the log states it."""
         parts = []
         for p in self.placements:
-            fixed = f" ({p.record.fixed_by})" if p.record.fixed_form is not None and p.record.fixed_by else ""
+            fixed = f" ({p.record.fixed_by})" if p.record.fixed_by else ""
             what = f"{p.role} {p.form.name}{fixed} {p.place}" + (" (device as set)" if p.record.places_set else "")
             if p.place == RESIDENT:
                 what += f" ({p.gpu_bytes / GIB:.1f} GiB)"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from comfyui_ernie_image.nodes.plan.costs import Costs
 from comfyui_ernie_image.nodes.plan.describe import Tensor, dit_record, language_model_record, lora_set, vae_record
 from comfyui_ernie_image.nodes.plan.records import PROMPT_ENHANCER, TEXT_ENCODER
+from helpers.card_faults import CPU_SECONDS, PAGEABLE, PINNED, SECONDS
 
 GIB = 2**30
 FLOOR = int(0.8 * GIB)  # core's minimum inference memory, less its reserve
@@ -39,13 +40,9 @@ def lm_tensors(layers: int = 26, lm_head: bool = False) -> list[Tensor]:
     return tensors + ([Tensor("lm_head.weight", (131072, 3072))] if lm_head else [])
 
 
-def costs(pinned: float = 25e9, pageable: float = 8e9) -> Costs:
-    """One forward at 1024², one encode, one PE token, one 1024² decode and its PNG (H200-like; fp8 saves the PE
-    memory, not time, as measured there; bandwidths of a PCIe 4.0 x16 card)."""
-    return Costs("test", pinned, pageable,
-                 {"dit:bf16": 0.16, "dit:fp8_cast": 0.20, "dit:fp8_matmul": 0.11, "dit:gguf:Q4_K": 0.15,
-                  "text:bf16": 0.04, "text:fp8": 0.05, "pe:bf16": 0.02, "pe:fp8": 0.02, "vae": 0.09},
-                 {"text:bf16": 2.0, "text:fp8": 2.5, "pe:bf16": 0.5, "pe:fp8": 0.6, "image:png": 0.2})
+def costs(pinned: float = PINNED, pageable: float = PAGEABLE) -> Costs:
+    """One forward at 1024², one encode, one PE token, one 1024² decode and its PNG (``helpers/card_faults``)."""
+    return Costs("test", pinned, pageable, dict(SECONDS), dict(CPU_SECONDS))
 
 
 def graph(gguf: bool = True, pe: bool = False, lora: bool = False, steps: int = 8, fp8_matmul: bool = True,

@@ -7,21 +7,16 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import comfy.cli_args
 import comfy.model_management as mm
 from server import PromptServer
 
-GIB = 2**30
-TOTAL = int(float(os.environ["ERNIE_TEST_FAKE_CARD_GIB"]) * GIB)
-CONTEXT = GIB // 2  # what a CUDA context takes of a real card, outside torch's allocator
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/, for the tests' faults
+from helpers.card_faults import CPU_SECONDS, GIB, PAGEABLE, PINNED, SECONDS, answer_as_card  # noqa: E402
 
-comfy.cli_args.args.cpu = False  # the server runs with --cpu: core's device stays the CPU
-mm.is_device_cuda = lambda device: True
-mm.get_total_memory = lambda dev=None, torch_total_too=False: (TOTAL, TOTAL) if torch_total_too else TOTAL
-mm.get_free_memory = lambda dev=None, torch_free_too=False: ((TOTAL - CONTEXT, 0) if torch_free_too
-                                                             else TOTAL - CONTEXT)
-mm.MAX_PINNED_MEMORY = 16 * GIB
+answer_as_card(setattr, mm, comfy.cli_args.args, float(os.environ["ERNIE_TEST_FAKE_CARD_GIB"]))
 
 
 def _pack_module(suffix: str):
@@ -31,13 +26,9 @@ def _pack_module(suffix: str):
 
 
 def _given_costs(json_data: dict) -> dict:
-    """Before each prompt (every custom node is imported by then): the pack's planner reads these costs."""
+    """Before each prompt (every custom node is imported by then): the pack's planner reads the tests' costs."""
     planning, costs = _pack_module("nodes.planning"), _pack_module("nodes.plan.costs")
-    planning.costs_here = lambda device: costs.Costs(
-        "fake-card", 25e9, 8e9,
-        {"dit:bf16": 0.16, "dit:fp8_cast": 0.20, "dit:fp8_matmul": 0.11, "dit:gguf:Q4_K": 0.15, "text:bf16": 0.04,
-         "text:fp8": 0.05, "pe:bf16": 0.02, "pe:fp8": 0.02, "vae": 0.09},
-        {"text:bf16": 2.0, "text:fp8": 2.5, "pe:bf16": 0.5, "pe:fp8": 0.6, "image:png": 0.2})
+    planning.costs_here = lambda device: costs.Costs("fake-card", PINNED, PAGEABLE, dict(SECONDS), dict(CPU_SECONDS))
     planning.host_room = lambda: 48 * GIB
     return json_data
 
