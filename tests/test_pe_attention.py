@@ -6,6 +6,8 @@ compiled; and the model's own attention left as it was for plain ``generate``.""
 from __future__ import annotations
 
 import copy
+import logging
+import re
 
 import pytest
 import torch
@@ -152,15 +154,28 @@ def test_the_fast_path_gives_the_same_tokens_with_either_attention(gqa_model, gr
     assert gqa_model.config._attn_implementation == "sdpa"  # plain generate keeps the model's own attention
 
 
-def test_the_compiled_grouped_step_matches_eager_sdpa(gqa_model):
+def test_the_compiled_grouped_step_matches_eager_sdpa(gqa_model, caplog):
     """On the CPU (inductor, no CUDA graphs): the compiled step with the grouped attention traces whole and gives
-    the tokens of the eager step with sdpa."""
+    the tokens of the eager step with sdpa. The log says how long the first step of the shape waited for the
+    compiler, and a second request of the same shape compiles nothing and says nothing."""
+    import torch._dynamo
     from torch._dynamo.utils import counters
 
+    def compile_lines(options: dict) -> tuple[torch.Tensor, list[str]]:
+        with caplog.at_level(logging.INFO):
+            caplog.clear()
+            tokens = fast_path_tokens(gqa_model, SAMPLED, **options)
+        return tokens, [m for m in caplog.messages if m.startswith("ERNIE-Image PE: compiled the decode step")]
+
+    torch._dynamo.reset()  # an earlier test's graph of this shape would be reused
     counters.clear()
-    compiled = fast_path_tokens(gqa_model, SAMPLED, compiled=True)
+    compiled, said = compile_lines({"compiled": True})
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
+    assert len(said) == 1 and re.fullmatch(r"ERNIE-Image PE: compiled the decode step for 4 row\(s\) and 256 "
+                                           r"cache slots in \d+\.\d s", said[0]), said
     assert torch.equal(compiled, fast_path_tokens(gqa_model, SAMPLED, compiled=False, attention="sdpa"))
+    again, said = compile_lines({"compiled": True})
+    assert said == [] and torch.equal(again, compiled)
 
 
 def test_cache_lengths_waste_under_a_quarter_in_few_sizes():

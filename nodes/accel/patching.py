@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..compile_clock import CompileClock
 from ..errors import ErnieImageError
 from ..host.memory import dtype_size
 from ..host.model import dit_blocks
@@ -181,10 +182,15 @@ def _compile_sampler_sample(executor, *args, **kwargs):
     try:
         compiled = 0 if is_dynamic(patcher) or fp8 else regional.install()
         _say_compiled(compiled, len(blocks), is_dynamic(patcher), fp8)
-        with compile_settings():
-            return executor(*args, **kwargs)
+        with compile_settings(), CompileClock() as clock:
+            result = executor(*args, **kwargs)
     finally:
         regional.remove()
+    if clock.new_graphs:
+        log.info("ERNIE-Image: this sampling run compiled %d new graph(s) of the DiT's blocks and took %.1f s with "
+                 "them (once per process and shape; inductor's cache on disk shortens it after a restart)",
+                 clock.new_graphs, clock.seconds)
+    return result
 
 
 def _say_compiled(compiled: int, blocks: int, dynamic: bool, fp8: str | None = None) -> None:

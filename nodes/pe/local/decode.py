@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 from transformers import GenerationConfig, LogitsProcessor, StaticCache, StoppingCriteria, StoppingCriteriaList
 
+from ...compile_clock import CompileClock
 from ..protocol import GenerationStopped, SamplingParams
 from . import attention as grouped_attention
 
@@ -173,7 +174,8 @@ def cuda_graphs_allowed(device: torch.device) -> bool:
 def _compiled_decode_step(cuda_graphs: bool) -> Callable:
     """The decode step compiled once per process: with CUDA graphs per shape bucket (re-recorded if weights move)
     where ``cuda_graphs``, else inductor's kernels alone."""
-    logging.info("ERNIE-Image PE: the decode step compiles on first use of each shape bucket (about a minute)%s",
+    logging.info("ERNIE-Image PE: the decode step compiles on first use of each shape bucket (once per process: "
+                 "minutes with an empty inductor cache; the log then says how long)%s",
                  "" if cuda_graphs else "; without CUDA graphs, which the cudaMallocAsync allocator does not support "
                  "(ComfyUI's --disable-cuda-malloc allows them)")
     return torch.compile(_decode_step, mode="reduce-overhead" if cuda_graphs else None, dynamic=False)
@@ -309,7 +311,12 @@ class StaticDecoder:
                         break
                 if graphs:
                     torch.compiler.cudagraph_mark_step_begin()
-                token = step_fn(self.model, cache_kwargs, token, position, mask, u[steps], temperature, top_p).clone()
+                with CompileClock() as clock:  # the first step of a new shape waits for the compiler
+                    token = step_fn(self.model, cache_kwargs, token, position, mask, u[steps], temperature, top_p)
+                    token = token.clone()
+                if clock.new_graphs:
+                    logging.info("ERNIE-Image PE: compiled the decode step for %d row(s) and %d cache slots in %.1f s",
+                                 rows, length, clock.seconds)
                 tokens[:, steps] = token
                 finished |= torch.isin(token, eos)
                 position += 1
