@@ -16,10 +16,11 @@ FEATURES = {"dit", "text", "pe", "lora", "accel", "quant", "parallel"}
 HOST = "host"  # every use of ComfyUI's internals (test_host_layer.py)
 # Small modules every feature may build on: errors, file reading and checks, model folders and the model-choice
 # grammar, node input checks, the pack's socket types, the GGUF file format (``gguf/``), Cancel for the engine's loops,
-# the out-of-memory advice (the host words it for every feature's models), the memory plan's records, planner and
-# session (``plan/``). They import only each other.
+# the time a first run waited for the compiler (the DiT's blocks and the PE's decode step), the out-of-memory advice
+# (the host words it for every feature's models), the memory plan's records, planner and session (``plan/``). They
+# import only each other.
 SHARED = {"errors", "model_files", "paths", "choices", "structure", "quant_layout", "ministral_file", "ministral_gguf",
-          "fp8_linear", "inputs", "sockets", "gguf", "memory_advice", "cancel", "plan"}
+          "fp8_linear", "inputs", "sockets", "gguf", "memory_advice", "cancel", "compile_clock", "plan"}
 TOP = {"loaders", "extension", "planning"}  # and the package itself: they may import anything of the pack
 
 
