@@ -369,3 +369,19 @@ def test_the_table_notes_more_models_of_a_kind_alive_than_a_workflow_uses():
     two = table([dict(row, run="warm", alive={"ErnieImageModel": 2, "TextEncoderModule": 1})])
     assert "alive after a collection" not in one
     assert "alive after a collection: 2 ErnieImageModel" in two
+
+
+def test_a_runs_row_lists_the_compile_phases_it_waited_for_and_none_when_nothing_compiled():
+    import torch
+
+    from checks.gpu.e2e_worker import compile_phases, compile_seconds
+
+    compiled = torch.compile(lambda x: (x * 3).cos(), dynamic=False)
+    before = compile_phases()
+    compiled(torch.randn(5))
+    phases = compile_seconds(before)
+    assert phases["_compile.compile_inner"][0] == 1 and phases["_compile.compile_inner"][1] > 0
+    assert phases["compile_fx_inner"][0] == 1
+    before = compile_phases()
+    compiled(torch.randn(5))  # the same shape: no compile
+    assert compile_seconds(before) == {}

@@ -491,6 +491,25 @@ def variant(graph: dict, run: int, pe_tokens: int, size: int | None, base_steps:
     return graph
 
 
+# Compile phases whose seconds a run's row lists (``compile_s``) when the run compiled anything: dynamo's frame
+# compiles in all (and how many), its tracing, AOT autograd, inductor's lowering and code generation, the wait for
+# its kernel compiles (Triton on CUDA) and loading the compiled modules. Where a first run's minutes go.
+COMPILE_PHASES = ("_compile.compile_inner", "bytecode_tracing", "create_aot_dispatcher_function", "compile_fx_inner",
+                  "GraphLowering.codegen", "async_compile.wait", "PyCodeCache.load_by_key_path", "build_guards")
+
+
+def compile_phases() -> dict[str, tuple[int, float]]:
+    """How many times and how many seconds in all each of ``COMPILE_PHASES`` ran in this process so far."""
+    metrics = getattr(sys.modules.get("torch._dynamo.utils"), "compilation_time_metrics", {})
+    return {phase: (len(metrics.get(phase, ())), sum(metrics.get(phase, ()))) for phase in COMPILE_PHASES}
+
+
+def compile_seconds(before: dict[str, tuple[int, float]]) -> dict[str, list]:
+    """The phases that ran since ``before``: ``[count, seconds]`` each."""
+    return {phase: [count - before[phase][0], round(seconds - before[phase][1], 1)]
+            for phase, (count, seconds) in compile_phases().items() if count > before[phase][0]}
+
+
 def run_prompt(execution, executor, graph: dict, nvml: NvmlPeak | None = None) -> dict:
     """Validate and execute ``graph``; its time, result, peak GPU memory (torch's, and NVML's with ``nvml``), the
     model loads logged, the patchers of the models held after it, and log notes."""
@@ -509,6 +528,7 @@ def run_prompt(execution, executor, graph: dict, nvml: NvmlPeak | None = None) -
             cuda = False
     executor.server.started.clear()
     executor.server.peaks.clear()
+    compiled_before = compile_phases()
     start = time.perf_counter()
     try:
         prompt_id = uuid.uuid4().hex
@@ -535,6 +555,7 @@ def run_prompt(execution, executor, graph: dict, nvml: NvmlPeak | None = None) -
                        peak_reserved_gib=round(max(p[1] for p in peaks), 2),
                        nodes_peak_gib=node_peaks(executor.server.started, peaks, graph))
         row.update(nvml.row() if nvml is not None else {}, loads=dict(notes.loads), patchers=loaded_patchers())
+        row.update(dict(compile_s=compiled) if (compiled := compile_seconds(compiled_before)) else {})
         return row
     finally:
         logging.getLogger().removeHandler(notes)
