@@ -7,7 +7,7 @@ In one process, under ``--deadline-s`` (a part not started by then is listed as 
    tensors; on CUDA also what the allocator gained), the first encode (loading onto the device included) and the
    warm encode, the median of ``--repeats``, of the GPU check's prompt (its token count shown: alike for all);
 2. ``pe``: the PE as the Q4_K_M GGUF against the fp8 and bf16 single file (``LocalPromptEnhancer.from_path``, the
-   decode path ``auto`` takes on CUDA, static-compiled; ``static`` eager with ``--tiny``): the same prompt's token ids
+   decode path ``auto`` takes on CUDA, static-graphs; ``static`` eager with ``--tiny``): the same prompt's token ids
    (Baidu's template, rendered once) and ``--pe-tokens`` new tokens each (EOS ignored), warm-up first; decode tokens
    per second from the whole run less the first token's time, as ``bench_pe.py``;
 3. ``dit``: the DiT as a Q4_0 and a Q4_K GGUF (every linear layer of that type; ``load_gguf_dit``): one forward at
@@ -212,7 +212,7 @@ def measure_prompt_enhancer(path: Path, fp8: bool, prompt: list, clock: Clock, n
 
 def bench_prompt_enhancers(models: Path, clock: Clock, new_tokens: int, repeats: int, tiny: bool, deadline: float):
     """Part 2: the PE as each file and storage, on the same prompt ids."""
-    decode = "static" if tiny else "static-compiled"  # what "auto" takes on CUDA; eager for the CPU smoke run
+    decode = "static" if tiny else "static-graphs"  # what "auto" takes on CUDA; eager for the CPU smoke run
     prompt = [None]
     variants = {"bf16 safetensors": (SINGLE_FILE, False), "fp8 safetensors": (SINGLE_FILE, True),
                 "GGUF Q4_K_M": (GGUF_FILE["Q4_K_M"], False)}

@@ -6,16 +6,19 @@ shape (batch x new tokens, ``min_new_tokens`` / ``ignore_eos`` force the length)
 
 - ``generate``: transformers' plain ``generate`` (sampling, temperature 0.6, top-p 0.8);
 - ``static``: the same with ``cache_implementation="static"`` (transformers compiles the decode step itself);
-- ``pack-sdpa``: the pack's fast path, ``StaticDecoder(compiled=True, attention="sdpa")``: static KV cache, one
-  compiled decode step with CUDA graphs, top-p sampling on the GPU; attention is transformers' ``sdpa``, which under
-  compilation repeats K/V from 8 to 32 heads;
+- ``pack-sdpa``: the pack's compiled fast path, ``StaticDecoder(model, "compiled", attention="sdpa")``: static KV
+  cache, one compiled decode step with CUDA graphs (not under cudaMallocAsync), top-p sampling on the GPU; attention
+  is transformers' ``sdpa``, which under compilation repeats K/V from 8 to 32 heads;
 - ``pack-unfused``: the same with the pack's grouped decode attention (``nodes/pe/local/attention.py``, the
   default): K/V read in place;
-- ``pack``: what the pack runs: the same after ``nodes/pe/local/fused.py`` stacks each layer's gate and up
-  projections into one matrix. It fuses the model in place, so the variants above run first (the order of
-  ``--variants``);
-- ``pack-fp8``: the same with the decoder's linears in fp8 (``weight_dtype`` fp8_e4m3fn: cast to bf16 per layer as
-  each step runs), last (its bf16 weights go).
+- ``pack``: the same after ``nodes/pe/local/fused.py`` stacks each layer's gate and up projections into one matrix.
+  It fuses the model in place, so the variants above run first (the order of ``--variants``);
+- ``pack-graphs``: what ``auto`` runs on CUDA: the fused model's eager step captured in a CUDA graph per bucket (no
+  compiler);
+- ``pack-fp8``, ``pack-fp8-graphs``: ``pack`` and ``pack-graphs`` with the decoder's linears in fp8 (``weight_dtype``
+  fp8_e4m3fn: cast to bf16 per layer as each step runs), last (the bf16 weights go).
+``--probe`` adds the memory plan's figure for the graphed path: tokens of ``pack-graphs`` / ``pack-fp8-graphs`` at
+1x64 against the probe's eager token of the same form on this machine (``describe.GRAPHED_PE``).
 All pack variants use the same cache buckets.
 
 Reports decode tokens/s, time to first token, compile (warm-up minus timed run) and peak memory as a markdown table,
@@ -81,8 +84,8 @@ def runners(model, decode, protocol) -> dict:
         return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, **sampling,
                               **extra)
 
-    def pack(**options):
-        fast = decode.StaticDecoder(model, compiled=True, **options)
+    def pack(step: str = "compiled", **options):
+        fast = decode.StaticDecoder(model, step, **options)
 
         def run(ids, mask, n):
             params = protocol.SamplingParams(TEMPERATURE, TOP_P, n, seed=0)
@@ -104,7 +107,9 @@ def runners(model, decode, protocol) -> dict:
         "pack-sdpa": unfused(lambda: pack(attention="sdpa")),
         "pack-unfused": unfused(lambda: pack()),
         "pack": lambda: (fuse_mlp_projections(model), pack())[1],
+        "pack-graphs": lambda: (fuse_mlp_projections(model), pack("graphs"))[1],
         "pack-fp8": lambda: (fuse_mlp_projections(model), to_fp8(model), pack())[2],
+        "pack-fp8-graphs": lambda: (fuse_mlp_projections(model), to_fp8(model), pack("graphs"))[2],
     }
 
 
@@ -146,8 +151,20 @@ def measure(run, batch: int, new_tokens: int, prompt_tokens: int, device: str) -
     }
 
 
+def graphed_factors(rows: list[dict], probe_seconds: dict[str, float]) -> dict[str, float]:
+    """Per form, a graphed decode token (the smallest batch-1 shape measured) over the probe's eager PE token: the
+    memory plan's ``GRAPHED_PE``."""
+    factors = {}
+    for variant, form in (("pack-graphs", "bf16"), ("pack-fp8-graphs", "fp8")):
+        measured = [r for r in rows if r["variant"] == variant and r["batch"] == 1 and "error" not in r]
+        if measured and f"pe:{form}" in probe_seconds:
+            row = min(measured, key=lambda r: r["new_tokens"])
+            factors[form] = round(1 / (row["decode_tok_s_per_seq"] * probe_seconds[f"pe:{form}"]), 3)
+    return factors
+
+
 def agreement(model, decode, protocol, prompt_tokens: int, device: str, new_tokens: int = 200) -> dict:
-    """Greedy tokens of the compiled fast path vs the same loop eager, and vs plain generate (bf16 and random
+    """Greedy tokens of the fast path (graphed on CUDA) vs the same loop eager, and vs plain generate (bf16 and random
     weights make near-ties: expect long common prefixes, not always identical tails). 200 new tokens after the
     default prompt stay in the 1x256 run's shape bucket, so this compiles nothing new."""
     ids = torch.randint(1000, PE_3B["vocab_size"], (1, prompt_tokens), device=device)
@@ -155,10 +172,10 @@ def agreement(model, decode, protocol, prompt_tokens: int, device: str, new_toke
     params = protocol.SamplingParams(0.0, 1.0, new_tokens)
     with torch.inference_mode():
         outputs = {
-            compiled: decode.StaticDecoder(model, compiled=compiled).generate(
+            step: decode.StaticDecoder(model, step).generate(
                 decode.DecodeRequest(ids, mask, params, [2], 11, lambda: False, lambda done: None),
                 ignore_eos=True)[0]
-            for compiled in (False, True)
+            for step in ("eager", "compiled" if device != "cuda" else "graphs")
         }
         plain = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
                                min_new_tokens=new_tokens, pad_token_id=11)[0, prompt_tokens:]
@@ -167,8 +184,9 @@ def agreement(model, decode, protocol, prompt_tokens: int, device: str, new_toke
         different = (a != b).nonzero()
         return int(different[0]) if len(different) else len(a)
 
-    return {"tokens": new_tokens, "compiled_vs_eager_prefix": prefix(outputs[True], outputs[False]),
-            "eager_vs_generate_prefix": prefix(outputs[False], plain)}
+    fast = next(step for step in outputs if step != "eager")
+    return {"tokens": new_tokens, f"{fast}_vs_eager_prefix": prefix(outputs[fast], outputs["eager"]),
+            "eager_vs_generate_prefix": prefix(outputs["eager"], plain)}
 
 
 def profile_decode(model, decode, protocol, prompt_tokens: int, device: str, new_tokens: int = 256, steps: int = 32,
@@ -182,7 +200,7 @@ def profile_decode(model, decode, protocol, prompt_tokens: int, device: str, new
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    fast = decode.StaticDecoder(model, compiled=True)
+    fast = decode.StaticDecoder(model, "compiled")
     ids = torch.randint(1000, PE_3B["vocab_size"], (1, prompt_tokens), device=device)
     mask = torch.ones_like(ids)
     params = protocol.SamplingParams(TEMPERATURE, TOP_P, new_tokens, seed=0)
@@ -312,6 +330,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--profile", action="store_true", help="top CUDA kernels of 32 decode steps, pack at 1x256")
     parser.add_argument("--gemv", action="store_true", help="bandwidth of batch-1 products per PE weight shape")
+    parser.add_argument("--probe", action="store_true", help="the graphed path's tokens against the probe's eager "
+                        "token of the same form (the plan's GRAPHED_PE), at the smallest batch-1 shape measured")
     args = parser.parse_args()
     use_comfyui()  # imports the pack as comfyui_ernie_image (the PE engine itself needs no ComfyUI)
     import transformers
@@ -361,6 +381,12 @@ def main() -> None:
         except Exception as error:
             traceback.print_exc()
             report["profile"] = f"{type(error).__name__}: {error}"
+        save()
+    if args.probe:
+        from comfyui_ernie_image.nodes.host.probe import measure as probe_costs
+
+        report["graphed_pe"] = graphed_factors(report["rows"], probe_costs(args.device).seconds)
+        print(f"graphed PE token / probe's eager token: {report['graphed_pe']}", flush=True)
         save()
     try:
         report["checks"]["greedy_agreement"] = agreement(model, decode, protocol, args.prompt_tokens, args.device)

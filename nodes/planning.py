@@ -295,16 +295,12 @@ def _language_model_record(role: str, want: Wanted, device: torch.device, floor:
         role, str(path), tensors,
         runs=1 if role == TEXT_ENCODER else want.pe_tokens, working=floor,
         fixed_form=None if weight_dtype == AUTO else weight_dtype, places=places, streams=streams,
-        compiles=_pe_compiles(device) if role == PROMPT_ENHANCER else frozenset())
+        graphed=_pe_graphed(device) if role == PROMPT_ENHANCER else frozenset())
 
 
-def _pe_compiles(device: torch.device) -> frozenset[str]:
-    """The PE forms whose decode runs compiled on ``device`` (``pe/local``'s ``auto``): where the pack compiles, and
-    fp8 where the compiler can cast it (capability 8.9 on)."""
-    if not compiles_by_default(device):
-        return frozenset()
-    arch = probe(device).arch
-    return frozenset({"bf16", "fp8"} if arch is not None and arch >= FP8_MIN_ARCH else {"bf16"})
+def _pe_graphed(device: torch.device) -> frozenset[str]:
+    """The PE forms whose decode runs in CUDA graphs on ``device`` (``pe/local``'s ``auto``): every form on CUDA."""
+    return frozenset({"bf16", "fp8"}) if device.type == "cuda" else frozenset()
 
 
 def records(want: Wanted, device: torch.device) -> tuple[list[LoadRecord], LoraSet | None]:

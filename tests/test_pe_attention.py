@@ -57,7 +57,7 @@ def static_cache_logits(model, implementation: str, input_ids: torch.Tensor, mas
     cache_mask[:, :width] = mask
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     cache = StaticCache(config=model.config, max_cache_len=CACHE_SLOTS)
-    cache_arg = decode.StaticDecoder(model, compiled=False)._cache_arg
+    cache_arg = decode.StaticDecoder(model, "eager")._cache_arg
     logits = []
     with torch.inference_mode(), attention.using(model, implementation):
         out = model(input_ids=input_ids, attention_mask=cache_mask, position_ids=positions, use_cache=True,
@@ -146,9 +146,9 @@ SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=20, seed=4)
 
 
 def test_the_fast_path_gives_the_same_tokens_with_either_attention(gqa_model, grouped_calls):
-    before = fast_path_tokens(gqa_model, SAMPLED, compiled=False, attention="sdpa")
+    before = fast_path_tokens(gqa_model, SAMPLED, step="eager", attention="sdpa")
     assert grouped_calls == []
-    after = fast_path_tokens(gqa_model, SAMPLED, compiled=False)
+    after = fast_path_tokens(gqa_model, SAMPLED, step="eager")
     assert len(grouped_calls) == (SAMPLED.max_new_tokens - 1) * LAYERS
     assert torch.equal(after, before) and len(set(after[0].tolist())) > 5
     assert gqa_model.config._attn_implementation == "sdpa"  # plain generate keeps the model's own attention
@@ -169,12 +169,12 @@ def test_the_compiled_grouped_step_matches_eager_sdpa(gqa_model, caplog):
 
     torch._dynamo.reset()  # an earlier test's graph of this shape would be reused
     counters.clear()
-    compiled, said = compile_lines({"compiled": True})
+    compiled, said = compile_lines({"step": "compiled"})
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
     assert len(said) == 1 and re.fullmatch(r"ERNIE-Image PE: compiled the decode step for 4 row\(s\) and 256 "
                                            r"cache slots in \d+\.\d s", said[0]), said
-    assert torch.equal(compiled, fast_path_tokens(gqa_model, SAMPLED, compiled=False, attention="sdpa"))
-    again, said = compile_lines({"compiled": True})
+    assert torch.equal(compiled, fast_path_tokens(gqa_model, SAMPLED, step="eager", attention="sdpa"))
+    again, said = compile_lines({"step": "compiled"})
     assert said == [] and torch.equal(again, compiled)
 
 
@@ -185,3 +185,24 @@ def test_cache_lengths_waste_under_a_quarter_in_few_sizes():
     assert all(n <= decode._cache_length(n) < 1.25 * n for n in range(1025, 9000))
     assert len({decode._cache_length(n) for n in range(1, 4097)}) == 12  # 256…2048 by 256, 2560…4096 by 512
     assert decode.StaticDecoder.shape(3, 128, 1024) == (4, 1280)
+
+
+def test_a_buckets_mask_is_refilled_in_place_for_each_request(gqa_model):
+    """A bucket keeps one mask tensor (a CUDA graph reads it where it was captured): a later request with other
+    padding in the same bucket refills it whole, and gives the tokens a fresh decoder gives."""
+    input_ids, mask = padded_batch()
+    shorter_ids, shorter_mask = input_ids[:, 8:].clone(), mask[:, 8:].clone()  # 4 wide, unpadded: the first ran
+    assert shorter_mask.all() and not mask[0, 4:7].any()  # with row 0 padded past the shorter prompt's width
+
+    def generate(decoder, ids, attention_mask):
+        return decoder.generate(decode.DecodeRequest(ids, attention_mask, SAMPLED, [2], 0, lambda: False,
+                                                     lambda done: None), ignore_eos=True)
+
+    reused = decode.StaticDecoder(gqa_model, "eager")
+    generate(reused, input_ids, mask)
+    bucket = next(iter(reused._buckets.values()))
+    held = bucket.mask
+    again = generate(reused, shorter_ids, shorter_mask)
+    assert next(iter(reused._buckets.values())).mask is held and len(reused._buckets) == 1
+    assert torch.equal(again, generate(decode.StaticDecoder(gqa_model, "eager"), shorter_ids, shorter_mask))
+    assert held.all()  # nothing of the first request's padding is left

@@ -264,7 +264,7 @@ def test_the_local_identity_records_the_gpu_model_not_its_index(tiny_models, mon
 def test_the_local_identity_records_the_decode_path_in_use(tiny_models):
     keys = {mode: key_of(local(tiny_models["pe_folder"], decode=mode)) for mode in DECODE_MODES}
     assert keys["auto"] == keys["generate"]  # what "auto" is on the CPU
-    assert len({keys["generate"], keys["static"], keys["static-compiled"]}) == 3
+    assert len({keys["generate"], keys["static"], keys["static-compiled"], keys["static-graphs"]}) == 4
     fell_back = local(tiny_models["pe_folder"], decode="static")
     fell_back.enhance([PromptSpec("a cat")], SamplingParams(max_new_tokens=2))
     assert key_of(fell_back) == keys["static"]  # loading changes nothing

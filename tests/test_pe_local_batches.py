@@ -142,7 +142,7 @@ def test_the_fast_path_runs_every_batch_of_a_list_in_one_cache_bucket(tiny_model
     sizes = record_batches(pe)
     assert [c.text for c in pe.enhance(SPECS[:10], PARAMS)] == one_by_one[:10]
     assert sizes == [4, 4, 4]  # 4, 3 and 3 prompts, padded: one static cache and one compiled shape, not two
-    assert {rows for rows, _ in pe._decoder._caches} == {1, 4}  # 1: the warm-up
+    assert {rows for rows, _ in pe._decoder._buckets} == {1, 4}  # 1: the warm-up
 
 
 def test_texts_finished_before_a_cancel_are_cached(tiny_models, one_by_one, tmp_path):

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from comfyui_ernie_image.nodes.plan.describe import COMPILED_PE, Tensor, language_model_record
+from comfyui_ernie_image.nodes.plan.describe import GRAPHED_PE, Tensor, language_model_record
 from comfyui_ernie_image.nodes.plan.planner import (
     BESIDE_MODELS,
     SWAP_BYTES_PER_S,
@@ -403,27 +403,26 @@ def test_every_plan_counts_the_vaes_decode_scaled_by_the_images_pixels():
     assert chosen.warm == pytest.approx(unmeasured.warm + rates.seconds["vae"])
 
 
-def test_a_pe_whose_decode_compiles_is_priced_at_its_compiled_rate_and_any_other_at_the_probes_eager_one():
-    """The PE decodes compiled on CUDA (``pe/local``'s ``auto``), fp8 only where the compiler casts it: its token
-    costs the probe's eager token times ``COMPILED_PE`` (measured against it on the H200: fp8's eager casts are most
-    of its eager time), and the text encoder, a GGUF PE and a PE that does not compile cost the eager token (on main
-    every PE token was priced eager: 64 tokens of fp8 at 4.5 times their measured time)."""
-    def pe(compiles: frozenset[str]):
+def test_a_pe_whose_decode_runs_in_cuda_graphs_is_priced_at_that_rate_and_any_other_at_the_probes_eager_one():
+    """The PE decodes in CUDA graphs on CUDA (``pe/local``'s ``auto``): its token costs the probe's eager token times
+    ``GRAPHED_PE`` (measured against it on the GPU), and the text encoder, a GGUF PE and a PE off CUDA cost the eager
+    token (every PE token priced eager put 64 tokens of fp8 at 4.5 times their measured time)."""
+    def pe(graphed: frozenset[str]):
         return language_model_record(PROMPT_ENHANCER, "pe", lm_tensors(lm_head=True), runs=64, working=FLOOR,
-                                     streams=False, compiles=compiles)
+                                     streams=False, graphed=graphed)
 
-    for compiles in (frozenset(), frozenset({"bf16"}), frozenset({"bf16", "fp8"})):
-        factors = {form.name: form.compiled for form in pe(compiles).forms}
-        assert factors == {name: COMPILED_PE[name] if name in compiles else 1.0 for name in ("bf16", "fp8")}
+    for graphed in (frozenset(), frozenset({"bf16"}), frozenset({"bf16", "fp8"})):
+        factors = {form.name: form.compiled for form in pe(graphed).forms}
+        assert factors == {name: GRAPHED_PE[name] if name in graphed else 1.0 for name in ("bf16", "fp8")}
     text = language_model_record(TEXT_ENCODER, "te", lm_tensors(), runs=1, working=FLOOR,
-                                 compiles=frozenset({"bf16", "fp8"}))
+                                 graphed=frozenset({"bf16", "fp8"}))
     assert {form.compiled for form in text.forms} == {1.0}
     rates = costs()
     records, lora = graph(gguf=False, pe=True)
     compiled = [pe(frozenset({"bf16", "fp8"})) if r.role == PROMPT_ENHANCER else r for r in records]
     chosen = plan(compiled, Card(int(40 * GIB), PINNABLE), rates, lora).of(PROMPT_ENHANCER)
     assert chosen.place == RESIDENT
-    assert chosen.seconds == pytest.approx(64 * rates.seconds[chosen.form.compute] * COMPILED_PE[chosen.form.name])
+    assert chosen.seconds == pytest.approx(64 * rates.seconds[chosen.form.compute] * GRAPHED_PE[chosen.form.name])
 
 
 def test_the_decoded_image_saved_as_a_png_is_in_the_predicted_prompt_and_changes_no_choice():

@@ -25,11 +25,11 @@ ROW_SCALE = 4  # one fp32 scale per output row of an fp8 weight
 # layer's decode and FP8's activation scaling, and gains bf16's matrix products little. fp8 storage cast per layer
 # is not measured: its eager time (never optimistic).
 COMPILED = {"gguf": 0.50, "fp8_matmul": 0.56, "bf16": 0.87}
-# The PE's compiled static-cache decode (what ``auto`` takes on CUDA) against the probe's eager token, per form: 64
-# new tokens after a 438-token prompt decoded at 281 tokens/s in bf16 and 181 in fp8 on the H200, where the probe's
-# eager token took 8.66 and 25.5 ms (bench/RESULTS.md, session 30): compiling fuses fp8's per-layer casts. A GGUF
-# PE's was not set against its probe figure: its eager time (never optimistic).
-COMPILED_PE = {"bf16": 0.41, "fp8": 0.22}
+# The PE's static-cache decode in CUDA graphs (what ``auto`` takes on CUDA) against the probe's eager token, per form.
+# PLACEHOLDER until measured: the compiled step's figures (64 new tokens after a 438-token prompt at 281 tokens/s in
+# bf16 and 181 in fp8 on the H200, against the probe's 8.66 and 25.5 ms eager token: bench/RESULTS.md, session 30).
+# A GGUF PE's was not set against its probe figure: its eager time (never optimistic).
+GRAPHED_PE = {"bf16": 0.41, "fp8": 0.22}
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.")  # transformers' and diffusers' names, llama.cpp's
 
 
@@ -148,17 +148,17 @@ def dit_record(source: str, tensors: list[Tensor], *, gguf_type: str | None, fp8
 
 def language_model_record(role: str, source: str, tensors: list[Tensor], *, runs: int, working: int,
                           fixed_form: str | None = None, places: tuple[str, ...] | None = None,
-                          streams: bool = True, compiles: frozenset[str] = frozenset()) -> LoadRecord:
+                          streams: bool = True, graphed: frozenset[str] = frozenset()) -> LoadRecord:
     """The text encoder or the PE (Ministral 3): bf16 (``default``) or its decoder linears in fp8 (``fp8_e4m3fn``),
     or a GGUF file as it is; resident, loaded per prompt, on the CPU, and (the text encoder, one pass per prompt)
-    streamed layer by layer, its embedding table staying on the host. ``compiles``: the forms whose PE decode runs
-    compiled on this GPU (``COMPILED_PE``)."""
+    streamed layer by layer, its embedding table staying on the host. ``graphed``: the forms whose PE decode runs
+    in CUDA graphs on this GPU (``GRAPHED_PE``)."""
     s = sizes(tensors)
     streamed = (s.block, s.block_fp8) if streams else (0, 0)
     gguf = dominant_gguf_type(tensors) if any(t.kind is not None for t in tensors) else None
 
     def speedup(name: str) -> float:
-        return COMPILED_PE.get(name, 1.0) if _kind(role) == "pe" and name in compiles else 1.0
+        return GRAPHED_PE.get(name, 1.0) if _kind(role) == "pe" and name in graphed else 1.0
 
     if gguf is not None:
         forms = (Form(f"GGUF {gguf}", "default", f"{_kind(role)}:gguf:{gguf}", s.total, streamed[0],

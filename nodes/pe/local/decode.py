@@ -5,10 +5,12 @@ Both paths draw the same uniform numbers from the seed and sample with the same 
 text on either path (up to floating point), and a prompt's text does not depend on the other prompts of its batch.
 
 The fast path keeps a static KV cache per (batch, length) bucket and runs each decode step, sampling included, as one
-compiled function (``torch.compile(mode="reduce-overhead")``: CUDA graphs on CUDA); Python only launches steps and
-looks at the GPU every ``_SYNC_EVERY`` tokens. Its decode steps attend with ``attention.NAME``: grouped by KV head,
-K/V read in place (transformers' ``sdpa`` repeats them per query head when compiled). Plain torch and transformers,
-no ComfyUI.
+unit: on CUDA the eager step captured in a CUDA graph per bucket (``"graphs"``, what ``auto`` takes: one launch per
+token, no compiler to wait for, under ComfyUI's cudaMallocAsync allocator too), or the step compiled
+(``"compiled"``: ``torch.compile(mode="reduce-overhead")``, minutes of compiling on a first run), or eager
+(``"eager"``, tests and the CPU). Python only launches steps and looks at the GPU every ``_SYNC_EVERY`` tokens. Its
+decode steps attend with ``attention.NAME``: grouped by KV head, K/V read in place (transformers' ``sdpa`` repeats
+them per query head when compiled). Plain torch and transformers, no ComfyUI.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -227,8 +230,52 @@ def _in_own_attention(method: Callable) -> Callable:
     return run
 
 
+STEPS = ("eager", "compiled", "graphs")  # how ``StaticDecoder`` runs a decode step
+
+
+@dataclass
+class _Bucket:
+    """What one (batch, cache length) shape keeps between requests: the KV cache, the mask over its slots (filled
+    in place per request, so that a CUDA graph reads it where it was captured) and, on the ``graphs`` path, the
+    captured step."""
+
+    cache: StaticCache
+    mask: torch.Tensor
+    graph: _GraphedStep | None = None
+
+
+class _GraphedStep:
+    """The eager decode step of one bucket captured in a CUDA graph and replayed for every later token.
+
+    Why: an eager step launches a few hundred small kernels from Python, and the compiled step's own CUDA graphs do
+    not run under ComfyUI's default allocator (``cuda_graphs_allowed``) and cost minutes of compiling on a first run.
+    A captured eager step needs no compiler (fp8 casts on any CUDA GPU) and replays under either allocator. The
+    step's inputs are copied into the graph's own tensors before each replay; the KV cache, the mask and the weights
+    are read where they were at capture (``StaticDecoder`` drops the graphs when the weights move)."""
+
+    def __init__(self, model: torch.nn.Module, cache_kwargs: dict, mask: torch.Tensor, stream: torch.cuda.Stream,
+                 *inputs: torch.Tensor):
+        self.inputs = [tensor.clone() for tensor in inputs]  # token, position, u, temperature, top_p
+        self.graph = torch.cuda.CUDAGraph()
+        token, position, *sampling = self.inputs
+        with torch.cuda.graph(self.graph, stream=stream):
+            self.output = _decode_step(model, cache_kwargs, token, position, mask, *sampling)
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        for static, value in zip(self.inputs, inputs, strict=True):
+            static.copy_(value)
+        self.graph.replay()
+        return self.output
+
+
+def _weights_at(model: torch.nn.Module) -> tuple[int, ...]:
+    """Where the model's weights are: a captured graph reads them there, and ComfyUI may move them between prompts."""
+    return tuple(tensor.data_ptr() for tensor in (*model.parameters(), *model.buffers()))
+
+
 class StaticDecoder:
-    """The fast path: a static KV cache per shape bucket and a decode step that is compiled (or eager, for tests).
+    """The fast path: a static KV cache per shape bucket and a decode step run as ``step`` says (one of ``STEPS``:
+    captured in CUDA graphs, compiled, or eager).
 
     ``attention``: the ``attn_implementation`` the model runs under while this decoder generates (the default:
     grouped decode attention; ``"sdpa"`` or None: the model's own, for comparisons). Only this decoder's calls
@@ -237,19 +284,23 @@ class StaticDecoder:
 
     bucketed = True
 
-    def __init__(self, model: torch.nn.Module, compiled: bool, attention: str | None = grouped_attention.NAME):
+    def __init__(self, model: torch.nn.Module, step: str, attention: str | None = grouped_attention.NAME):
+        if step not in STEPS:
+            raise ValueError(f"step must be one of {STEPS}, got {step!r}")
         self.model = model
-        self.compiled = compiled
+        self.step = step
         self.attention = attention
         if attention == grouped_attention.NAME:
             grouped_attention.register()
         params = inspect.signature(type(model).forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.24 renamed it
-        self._caches: dict[tuple[int, int], StaticCache] = {}
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._captured_with: tuple[int, ...] = ()  # where the weights were when the graphs were captured
+        self._stream: torch.cuda.Stream | None = None  # the graphs' warm-up and capture stream
 
     @property
     def name(self) -> str:
-        return "static-compiled" if self.compiled else "static"
+        return {"eager": "static", "compiled": "static-compiled", "graphs": "static-graphs"}[self.step]
 
     @staticmethod
     def shape(batch: int, prompt_length: int, max_new_tokens: int) -> tuple[int, int]:
@@ -257,16 +308,37 @@ class StaticDecoder:
         return _bucket(batch, 1), _cache_length(prompt_length + max_new_tokens)
 
     def release(self) -> None:
-        """Drop the KV caches (when the weights leave the device)."""
-        self._caches.clear()
+        """Drop the KV caches and the graphs that read them (when the weights leave the device)."""
+        self._buckets.clear()
 
-    def _cache(self, rows: int, length: int) -> StaticCache:
-        cache = self._caches.get((rows, length))
-        if cache is None:
-            cache = self._caches[(rows, length)] = StaticCache(config=self.model.config, max_cache_len=length)
+    def _bucket(self, rows: int, length: int, device: torch.device) -> _Bucket:
+        bucket = self._buckets.get((rows, length))
+        if bucket is None:
+            bucket = self._buckets[(rows, length)] = _Bucket(
+                StaticCache(config=self.model.config, max_cache_len=length),
+                torch.ones(rows, length, dtype=torch.long, device=device))
         else:
-            cache.reset()
-        return cache
+            bucket.cache.reset()
+        return bucket
+
+    def _graphed_step(self, bucket: _Bucket, cache_kwargs: dict, *inputs: torch.Tensor) -> torch.Tensor:
+        """One step on the ``graphs`` path. A bucket's first step runs eager on a side stream (warming up what a
+        capture must not initialise) and its result is used; the step is then captured, and replayed from then on."""
+        if bucket.graph is not None:
+            return bucket.graph(*inputs)
+        device = inputs[0].device
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        started = time.perf_counter()
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._stream):
+            token = _decode_step(self.model, cache_kwargs, inputs[0], inputs[1], bucket.mask, *inputs[2:])
+        torch.cuda.current_stream(device).wait_stream(self._stream)
+        bucket.graph = _GraphedStep(self.model, cache_kwargs, bucket.mask, self._stream, *inputs)
+        rows, length = bucket.mask.shape
+        logging.info("ERNIE-Image PE: captured the decode step for %d row(s) and %d cache slots in a CUDA graph in "
+                     "%.1f s", rows, length, time.perf_counter() - started)
+        return token
 
     @_in_own_attention
     @torch.inference_mode()
@@ -281,11 +353,16 @@ class StaticDecoder:
         spare = rows - batch
         input_ids = torch.cat([input_ids, input_ids[:1].expand(spare, -1)])
         attention_mask = torch.cat([attention_mask, attention_mask[:1].expand(spare, -1)])
+        if self.step == "graphs" and self._captured_with != (weights := _weights_at(self.model)):
+            self._buckets.clear()  # captured graphs read the weights where they were; a cache is cheap to make again
+            self._captured_with = weights
+        bucket = self._bucket(rows, length, device)
         # One mask for the whole run: prompt padding is 0, every later slot 1 (causality hides the future).
-        mask = torch.ones(rows, length, dtype=attention_mask.dtype, device=device)
+        mask = bucket.mask
+        mask.fill_(1)
         mask[:, :prompt_length] = attention_mask
         positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
-        cache_kwargs = {self._cache_arg: self._cache(rows, length)}
+        cache_kwargs = {self._cache_arg: bucket.cache}
         u, temperature, top_p = _sampling_tensors(params, device)
         eos = torch.tensor(request.eos_ids, device=device)
 
@@ -298,10 +375,11 @@ class StaticDecoder:
         tokens[:, 0] = token
         finished = torch.isin(token, eos)
         position = positions[:, -1] + 1
-        graphs = self.compiled and cuda_graphs_allowed(device)
-        step_fn = _compiled_decode_step(graphs) if self.compiled else _decode_step
+        compiled = self.step == "compiled"
+        graphs = compiled and cuda_graphs_allowed(device)
+        step_fn = _compiled_decode_step(graphs) if compiled else _decode_step
         steps = 1
-        with _recompile_limit() if self.compiled else contextlib.nullcontext():
+        with _recompile_limit() if compiled else contextlib.nullcontext():
             while steps < params.max_new_tokens:
                 if request.should_stop():
                     raise GenerationStopped("generation was interrupted")
@@ -312,7 +390,11 @@ class StaticDecoder:
                 if graphs:
                     torch.compiler.cudagraph_mark_step_begin()
                 with CompileClock() as clock:  # the first step of a new shape waits for the compiler
-                    token = step_fn(self.model, cache_kwargs, token, position, mask, u[steps], temperature, top_p)
+                    if self.step == "graphs":
+                        token = self._graphed_step(bucket, cache_kwargs, token, position, u[steps], temperature,
+                                                   top_p)
+                    else:
+                        token = step_fn(self.model, cache_kwargs, token, position, mask, u[steps], temperature, top_p)
                     token = token.clone()
                 if clock.new_graphs:
                     logging.info("ERNIE-Image PE: compiled the decode step for %d row(s) and %d cache slots in %.1f s",

@@ -1,14 +1,15 @@
 """The local PE backend: a lazy handle that loads the weights on first use and generates with transformers.
 
-On CUDA with a working compiler, decoding takes the static-cache fast path (``decode.StaticDecoder``); elsewhere
-plain ``generate`` (``decode.PlainDecoder``), which also takes over, for good, from a fast path that fails alone.
-Where the weights live and how generation stops are the host's business (``Runtime``): plain torch by default,
-ComfyUI's model management and interrupt (``comfy_runtime``) where the nodes pass it in.
+On CUDA, decoding takes the static-cache fast path with its step captured in CUDA graphs (``decode.StaticDecoder``,
+``static-graphs``: no compiler, so nothing to wait for on a first prompt); elsewhere plain ``generate``
+(``decode.PlainDecoder``), which also takes over, for good, from a fast path that fails alone. Where the weights
+live and how generation stops are the host's business (``Runtime``): plain torch by default, ComfyUI's model
+management and interrupt (``comfy_runtime``) where the nodes pass it in.
 
 With fp8 weights (``fp8``, or a file in core's fp8 layout) the decoders are the same: they call the model's layers,
-and an fp8 layer casts its weight to the compute dtype as it runs. Only the compiled step needs a GPU whose compiler
-can cast fp8 (Triton: CUDA capability 8.9 on, RTX 40 / Ada, Hopper); on older GPUs "auto" takes plain ``generate``
-for fp8 weights and says so, rather than failing a compilation (pytorch/pytorch#167082) before falling back anyway.
+and an fp8 layer casts its weight to the compute dtype as it runs, in torch's own kernels on any CUDA GPU. Only the
+compiled step (``static-compiled``, asked for by name) needs a GPU whose compiler can cast fp8 (Triton: CUDA
+capability 8.9 on; pytorch/pytorch#167082).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from ...fp8_linear import holds_fp8
 from ...host.sizes import CacheSized
 from ...model_files import builds_weights
 from ..protocol import Completion, GenerationStopped, PromptSpec, ResultCallback, SamplingParams
@@ -31,24 +31,17 @@ from .fused import fuse_mlp_projections
 from .weights import PESource, path_source, snapshot_source
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-DECODE_MODES = ("auto", "generate", "static", "static-compiled")
-
-
-def _compiler_available() -> bool:
-    try:
-        from torch.utils._triton import has_triton
-    except ImportError:
-        return False
-    return has_triton()
+DECODE_MODES = ("auto", "generate", "static", "static-compiled", "static-graphs")
+STATIC_STEPS = {"static": "eager", "static-compiled": "compiled", "static-graphs": "graphs"}  # StaticDecoder's step
 
 
 class LocalPromptEnhancer(CacheSized):
     """A lazy handle on local PE weights: nothing is read before the first ``enhance``.
 
     ``device``: ``"default"`` or a torch device name; ``dtype``: ``"auto"`` (the host's choice, ``Runtime.dtype``) or
-    a key of ``DTYPES``; ``decode``: one of ``DECODE_MODES`` (``"auto"``: the compiled static-cache path on CUDA, plain
-    ``generate`` elsewhere); ``runtime``: the host (plain torch when None); ``fp8``: the decoder layers' linears held
-    in fp8 (half their memory; the LM head and embeddings stay in ``dtype``, which they all compute in);
+    a key of ``DTYPES``; ``decode``: one of ``DECODE_MODES`` (``"auto"``: the static-cache path in CUDA graphs on
+    CUDA, plain ``generate`` elsewhere); ``runtime``: the host (plain torch when None); ``fp8``: the decoder layers'
+    linears held in fp8 (half their memory; the LM head and embeddings stay in ``dtype``, which they all compute in);
     ``follows_plan``: its device and, where ``form_follows_plan``, ``fp8`` were the memory plan's (``auto``) and follow
     later plans (``follow``).
     """
@@ -101,9 +94,8 @@ class LocalPromptEnhancer(CacheSized):
         return DTYPES.get(self.dtype_name) or self.runtime.dtype(device)
 
     def _decode_path(self, device: torch.device) -> str:
-        """The decode path: once loaded, the one in use (a failed fast path falls back to generate for good; a file
-        stored in fp8 is known to be so once read, on a GPU whose compiler cannot cast fp8 too)."""
-        return _resolve_decode(self.decode, device, self.fp8) if self._model is None else self._decoder.name
+        """The decode path: once loaded, the one in use (a failed fast path falls back to generate for good)."""
+        return _resolve_decode(self.decode, device) if self._model is None else self._decoder.name
 
     @property
     def loaded(self) -> bool:
@@ -124,8 +116,8 @@ class LocalPromptEnhancer(CacheSized):
         device = self.runtime.device(self.device_name)
         model, tokenizer = self.source.load(self._dtype(device), self.fp8)
         fuse_mlp_projections(model)  # one product for gate and up: decode steps stream the weights faster
-        mode = _resolve_decode(self.decode, device, holds_fp8(model), log=True)
-        self._decoder = PlainDecoder(model) if mode == "generate" else StaticDecoder(model, mode == "static-compiled")
+        mode = _resolve_decode(self.decode, device)
+        self._decoder = PlainDecoder(model) if mode == "generate" else StaticDecoder(model, STATIC_STEPS[mode])
         self._load = self.runtime.manage(model, device, on_unload=self._release_caches)
         self._model, self._tokenizer, self._device = model, tokenizer, device
 
@@ -266,28 +258,11 @@ class LocalPromptEnhancer(CacheSized):
         return Completion(text, truncated=end is None and len(tokens) >= params.max_new_tokens)
 
 
-def _resolve_decode(mode: str, device: torch.device, fp8: bool = False, log: bool = False) -> str:
-    """``auto``: the compiled static-cache path on CUDA with a compiler, plain ``generate`` elsewhere, and for fp8
-    weights where the compiler cannot cast fp8 (``log``: say so, once per load)."""
+def _resolve_decode(mode: str, device: torch.device) -> str:
+    """``auto``: the static-cache path in CUDA graphs on CUDA, plain ``generate`` elsewhere."""
     if mode != "auto":
         return mode
-    if device.type != "cuda" or not _compiler_available():
-        return "generate"
-    if fp8 and not _compiles_fp8(device):
-        if log:
-            logging.warning("ERNIE-Image PE: fp8 weights on %s (CUDA capability %d.%d): its compiler cannot cast fp8 "
-                            "(8.9 and later can), so the PE decodes with plain generate, slower than the compiled "
-                            "path; a bf16 PE (weight_dtype default) keeps the fast path",
-                            torch.cuda.get_device_name(device), *torch.cuda.get_device_capability(device))
-        return "generate"
-    return "static-compiled"
-
-
-def _compiles_fp8(device: torch.device) -> bool:
-    """Whether Triton, and so the compiled decode step, can cast fp8 (``float8_e4m3fn``) on this CUDA device: from
-    capability 8.9 on; before, a compiled cast fails ("type fp8e4nv not supported in this architecture",
-    pytorch/pytorch#167082). ROCm reports its own numbers; it is left to the fallback of ``_generate``."""
-    return torch.version.hip is not None or torch.cuda.get_device_capability(device) >= (8, 9)
+    return "static-graphs" if device.type == "cuda" else "generate"
 
 
 def _device_label(device: torch.device) -> str:
