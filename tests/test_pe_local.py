@@ -224,6 +224,21 @@ def test_the_weights_are_a_comfyui_model_that_unload_all_frees(tiny_models):
     assert len(_managed_pe_models(pe)) == 1
 
 
+def test_the_kv_caches_stay_from_prompt_to_prompt_and_go_when_comfyui_unloads_the_pe(tiny_models):
+    """Core detaches every model it is asked to load, loaded already or not, its weights left in place
+    (``load_models_gpu``); only an unload that moves them (``/free``, or room for other models) drops the decoder's
+    KV caches and, on CUDA, the CUDA graphs that read them. Before, every prompt dropped them: on the GPU each
+    prompt captured its graph again (the GPU check's log, 2026-12-05)."""
+    pe = LocalPromptEnhancer.from_snapshot(tiny_models["snapshot"], runtime=ComfyRuntime(), decode="static")
+    first = texts(pe, PROMPTS[:1], GREEDY)
+    (bucket,) = pe._decoder._buckets.values()
+    assert texts(pe, PROMPTS[:1], GREEDY) == first
+    assert list(pe._decoder._buckets.values()) == [bucket]  # the same cache and mask, reset in place
+    mm.unload_all_models()  # what POST /free does
+    assert pe._decoder._buckets == {}
+    assert texts(pe, PROMPTS[:1], GREEDY) == first
+
+
 def test_a_truncated_pe_config_is_named(tiny_models, tmp_path):
     snapshot = snapshot_with_truncated_file(tiny_models["snapshot"], tmp_path, "pe/config.json", keep_bytes=20)
     with pytest.raises(ErnieImageError, match=r"pe/config\.json .*damaged or incomplete.*download it again"):

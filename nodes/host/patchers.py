@@ -251,8 +251,17 @@ def text_model_patcher(container: torch.nn.Module, load: torch.device, offload: 
 
 
 def on_detach(patcher: ModelPatcher, callback) -> None:
-    """Call ``callback()`` whenever ComfyUI unloads ``patcher``'s model from its device."""
-    patcher.add_callback(CallbacksMP.ON_DETACH, lambda *args, **kwargs: callback())
+    """Call ``callback()`` whenever ComfyUI unloads ``patcher``'s model from its device: a detach that unpatches.
+
+    Core also detaches, weights left where they are (``unpatch_all=False``), every model it is asked to load, loaded
+    already or not (``load_models_gpu`` in comfy/model_management.py, 0.3.75 and upstream's dynamic-VRAM version
+    alike): that is no unload, and what the callback frees (the PE's KV caches and CUDA graphs) stays valid."""
+
+    def detached(_patcher: ModelPatcher, unpatch_all: bool = True, *args, **kwargs) -> None:
+        if unpatch_all:
+            callback()
+
+    patcher.add_callback(CallbacksMP.ON_DETACH, detached)
 
 
 def place(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:

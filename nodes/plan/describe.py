@@ -25,11 +25,12 @@ ROW_SCALE = 4  # one fp32 scale per output row of an fp8 weight
 # layer's decode and FP8's activation scaling, and gains bf16's matrix products little. fp8 storage cast per layer
 # is not measured: its eager time (never optimistic).
 COMPILED = {"gguf": 0.50, "fp8_matmul": 0.56, "bf16": 0.87}
-# The PE's static-cache decode in CUDA graphs (what ``auto`` takes on CUDA) against the probe's eager token, per form.
-# PLACEHOLDER until measured: the compiled step's figures (64 new tokens after a 438-token prompt at 281 tokens/s in
-# bf16 and 181 in fp8 on the H200, against the probe's 8.66 and 25.5 ms eager token: bench/RESULTS.md, session 30).
-# A GGUF PE's was not set against its probe figure: its eager time (never optimistic).
-GRAPHED_PE = {"bf16": 0.41, "fp8": 0.22}
+# The PE's static-cache decode in CUDA graphs (what ``auto`` takes on CUDA) against the probe's eager token, per form:
+# 64 new tokens after a 438-token prompt at 166.7 tokens/s in bf16 and 43.2 in fp8 under cudaMallocAsync on an H100,
+# against that machine's probe (bench/bench_pe.py --probe, bench/RESULTS.md 2026-12-05 session 34). The graph saves
+# the launches, not fp8's per-layer casts (two passes over each weight). A GGUF PE's was not measured: its eager time
+# (never optimistic).
+GRAPHED_PE = {"bf16": 0.516, "fp8": 0.781}
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.")  # transformers' and diffusers' names, llama.cpp's
 
 

@@ -256,10 +256,12 @@ class _GraphedStep:
     def __init__(self, model: torch.nn.Module, cache_kwargs: dict, mask: torch.Tensor, stream: torch.cuda.Stream,
                  *inputs: torch.Tensor):
         self.inputs = [tensor.clone() for tensor in inputs]  # token, position, u, temperature, top_p
+        # Made outside the capture: under cudaMallocAsync, freeing a tensor the capture allocated warns later.
+        self.output = torch.empty_like(inputs[0])
         self.graph = torch.cuda.CUDAGraph()
         token, position, *sampling = self.inputs
         with torch.cuda.graph(self.graph, stream=stream):
-            self.output = _decode_step(model, cache_kwargs, token, position, mask, *sampling)
+            self.output.copy_(_decode_step(model, cache_kwargs, token, position, mask, *sampling))
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         for static, value in zip(self.inputs, inputs, strict=True):
