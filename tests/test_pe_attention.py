@@ -15,6 +15,7 @@ from transformers import Ministral3Config, Ministral3ForCausalLM, StaticCache
 
 from comfyui_ernie_image.nodes.pe.local import attention, decode
 from comfyui_ernie_image.nodes.pe.protocol import SamplingParams
+from helpers.prompts import left_padded
 
 LAYERS, CACHE_SLOTS, DECODE_STEPS = 2, 32, 8
 PROMPT_LENGTHS = (5, 9, 12)  # left-padded to 12: two rows start with padding
@@ -35,14 +36,7 @@ def gqa_model() -> Ministral3ForCausalLM:
 
 
 def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    width = max(PROMPT_LENGTHS)
-    input_ids = torch.zeros(len(PROMPT_LENGTHS), width, dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
-    for row, length in enumerate(PROMPT_LENGTHS):
-        input_ids[row, width - length:] = torch.randint(3, 256, (length,), generator=generator)
-        mask[row, width - length:] = 1
-    return input_ids, mask
+    return left_padded(1, PROMPT_LENGTHS, vocab=256)
 
 
 FORCED = torch.randint(3, 256, (DECODE_STEPS, len(PROMPT_LENGTHS)), generator=torch.Generator().manual_seed(2))

@@ -17,6 +17,7 @@ from transformers import Ministral3Config, Ministral3ForCausalLM
 from comfyui_ernie_image.nodes.pe.local import decode
 from comfyui_ernie_image.nodes.pe.protocol import SamplingParams
 from conftest import REPO
+from helpers.prompts import left_padded
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=40, seed=4)
@@ -36,13 +37,7 @@ def model() -> Ministral3ForCausalLM:
 
 def prompts(seed: int, lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompts of ``lengths`` on the GPU."""
-    generator = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
-    for row, length in enumerate(lengths):
-        input_ids[row, width - length:] = torch.randint(3, 512, (length,), generator=generator)
-        mask[row, width - length:] = 1
+    input_ids, mask = left_padded(seed, lengths, vocab=512)
     return input_ids.cuda(), mask.cuda()
 
 
