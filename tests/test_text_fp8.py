@@ -82,6 +82,24 @@ def test_per_row_quantization_keeps_each_row_within_fp8_precision():
     assert _relative_error(fp8.float() * scale, weight) < 0.04
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_an_fp8_layer_gives_the_scaled_weights_product_without_overflow_in_fp16(dtype):
+    """bf16 and fp32 scale the product (one pass over the weight less), fp16 the weight: the unscaled product of fp8
+    values up to 448 and large activations overflows fp16's 65,504. Each equals the product with the scaled weight
+    within the dtype's rounding."""
+    torch.manual_seed(0)
+    weight = torch.randn(96, 512) * torch.logspace(-3, -1, 96)[:, None]
+    layer = Fp8Linear(512, 96, bias=True)
+    layer.weight.data, layer.weight_scale = quantize_rows(weight)
+    layer.bias.data = torch.randn(96)
+    x = torch.randn(4, 512) * 60  # activations as large as a language model's outliers
+    expected = torch.nn.functional.linear(x.double(), layer.weight.double() * layer.weight_scale.double(),
+                                          layer.bias.double())
+    out = layer(x.to(dtype))
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert _relative_error(out, expected) < {torch.float32: 1e-5}.get(dtype, 1e-2)
+
+
 def test_the_loader_node_holds_fp8_only_when_asked(comfy_paths, tiny_models):
     from comfyui_ernie_image.nodes.text.nodes import ErnieImageTextEncoderLoader
 

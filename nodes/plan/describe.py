@@ -28,8 +28,9 @@ COMPILED = {"gguf": 0.50, "fp8_matmul": 0.56, "bf16": 0.87}
 # The PE's static-cache decode in CUDA graphs (what ``auto`` takes on CUDA) against the probe's eager token, per form:
 # 64 new tokens after a 438-token prompt at 166.7 tokens/s in bf16 and 43.2 in fp8 under cudaMallocAsync on an H100,
 # against that machine's probe (bench/bench_pe.py --probe, bench/RESULTS.md 2026-12-05 session 34). The graph saves
-# the launches, not fp8's per-layer casts (two passes over each weight). A GGUF PE's was not measured: its eager time
-# (never optimistic).
+# the launches, not fp8's per-layer casts. Measured when fp8 scaled the weight (two passes over it); it scales the
+# product now, in the probe too (probe version 5), and the factor was not measured again. A GGUF PE's was not
+# measured: its eager time (never optimistic).
 GRAPHED_PE = {"bf16": 0.516, "fp8": 0.781}
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.")  # transformers' and diffusers' names, llama.cpp's
 
