@@ -200,3 +200,23 @@ def test_a_buckets_mask_is_refilled_in_place_for_each_request(gqa_model):
     assert next(iter(reused._buckets.values())).mask is held and len(reused._buckets) == 1
     assert torch.equal(again, generate(decode.StaticDecoder(gqa_model, "eager"), shorter_ids, shorter_mask))
     assert held.all()  # nothing of the first request's padding is left
+
+
+def test_a_decoder_keeps_the_two_most_recent_shapes_and_a_third_drops_the_oldest(gqa_model):
+    """ComfyUI does not see a bucket's KV cache: a decoder keeps two shapes (two PE settings in one workflow), a third
+    frees the least recently used one before its own cache is made, and a shape it kept is reused as it was."""
+    input_ids, mask = padded_batch()
+    decoder = decode.StaticDecoder(gqa_model, "eager")
+
+    def generate(rows: int, new_tokens: int) -> tuple[int, int]:
+        params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=new_tokens, seed=3)
+        decoder.generate(decode.DecodeRequest(input_ids[:rows], mask[:rows], params, [2], 0, lambda: False,
+                                              lambda done: None), ignore_eos=True)
+        return decoder.shape(rows, input_ids.shape[1], new_tokens)
+
+    first, second = generate(3, 4), generate(1, 4)
+    kept = decoder._buckets[first]
+    assert generate(3, 4) == first and decoder._buckets[first] is kept  # reused: now the most recent
+    third = generate(3, 300)  # a longer cache
+    assert list(decoder._buckets) == [first, third]  # the second, least recently used, was dropped
+    assert second not in decoder._buckets and decoder._buckets[first] is kept

@@ -35,6 +35,12 @@ _SYNC_EVERY = 16  # decode steps between looks at the GPU (EOS, progress)
 # The shape buckets the compiled step's recompile limit covers: batches of up to 64 prompts, prompt and answer up to
 # 16384 tokens (the node's longest max_new_tokens, 8192, after a prompt as long).
 _COVERED_ROWS, _COVERED_TOKENS = 64, 16384
+# Shape buckets a decoder keeps between requests (the most recent ones): ComfyUI does not see their KV caches (at
+# true size 104 KiB a row and slot in bf16: 0.27 GB for the 2560 slots of a 2048-token answer, four times that for
+# four rows) and they stay until the PE is unloaded. Two cover a workflow with two PE settings; a third shape drops
+# the oldest, whose capture takes 0.1 s again if it comes back. The compiled step keeps them all (a new cache for a
+# shape it compiled could compile it again).
+_KEPT_BUCKETS = 2
 
 
 @dataclass(frozen=True)
@@ -314,13 +320,17 @@ class StaticDecoder:
         self._buckets.clear()
 
     def _bucket(self, rows: int, length: int, device: torch.device) -> _Bucket:
-        bucket = self._buckets.get((rows, length))
+        """The bucket of this shape, reset, and the most recent from now on; a new one first drops the oldest past
+        ``_KEPT_BUCKETS`` (freed before the new cache is made)."""
+        bucket = self._buckets.pop((rows, length), None)
         if bucket is None:
-            bucket = self._buckets[(rows, length)] = _Bucket(
-                StaticCache(config=self.model.config, max_cache_len=length),
-                torch.ones(rows, length, dtype=torch.long, device=device))
+            while self.step != "compiled" and len(self._buckets) >= _KEPT_BUCKETS:
+                del self._buckets[next(iter(self._buckets))]
+            bucket = _Bucket(StaticCache(config=self.model.config, max_cache_len=length),
+                             torch.ones(rows, length, dtype=torch.long, device=device))
         else:
             bucket.cache.reset()
+        self._buckets[(rows, length)] = bucket
         return bucket
 
     def _graphed_step(self, bucket: _Bucket, cache_kwargs: dict, *inputs: torch.Tensor) -> torch.Tensor:
