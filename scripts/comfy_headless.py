@@ -163,12 +163,22 @@ class ComfyServer:
         result = self.run(prompt)
         return result, self.wait_for_log("Prompt executed", start)
 
-    def free(self, unloads: str) -> None:
+    def free(self, unloads: str, timeout: float = 60.0) -> None:
         """``POST /free`` (unload models, free memory), then wait until the worker logs ``Unloading <unloads>``:
-        it acts on the request between prompts, and only at DEBUG level does it say what it unloaded."""
-        start = len(self.log())
-        requests.post(f"{self.url}/free", json={"unload_models": True, "free_memory": True}, timeout=30)
-        self.wait_for_log(f"Unloading {unloads}", start)
+        it acts on the request between prompts, and only at DEBUG level does it say what it unloaded.
+
+        Posted again every few seconds until then: core's prompt worker reads the flags, collects garbage, then waits
+        on the queue for up to 1000 s, and a request that comes between only sets them, its wake-up lost (main.py's
+        ``prompt_worker`` and ``PromptQueue.get``, 0.3.75 and upstream main.py @02018c7eb588; seen on a busy CPU)."""
+        start, deadline = len(self.log()), time.monotonic() + timeout
+        while True:
+            requests.post(f"{self.url}/free", json={"unload_models": True, "free_memory": True}, timeout=30)
+            try:
+                self.wait_for_log(f"Unloading {unloads}", start, timeout=min(5.0, deadline - time.monotonic()))
+                return
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
 
     def output_images(self, result: PromptResult) -> list[Path]:
         paths = []
