@@ -191,7 +191,9 @@ def agreement(model, decode, protocol, prompt_tokens: int, device: str, new_toke
 
 def profile_decode(model, decode, protocol, prompt_tokens: int, device: str, new_tokens: int = 256, steps: int = 32,
                    top: int = 15, trace: Path | None = None) -> dict:
-    """Where a decode token's GPU time goes on ``pack`` at the ``1 x new_tokens`` shape (its cache bucket).
+    """Where a decode token's GPU time goes on the shipped path (the eager step captured in CUDA graphs, what
+    ``auto`` takes on CUDA) at the ``1 x new_tokens`` shape (its cache bucket), on the model as the last variant left
+    it (its linears in fp8 after an fp8 variant).
 
     Runs stop through ``should_stop`` after ``steps`` decode steps; the kernels of a run stopped before its first
     decode step (prefill, first sample) are subtracted per kernel name, leaving the decode steps' own. Wall time per
@@ -200,7 +202,9 @@ def profile_decode(model, decode, protocol, prompt_tokens: int, device: str, new
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    fast = decode.StaticDecoder(model, "compiled")
+    from comfyui_ernie_image.nodes.fp8_linear import holds_fp8
+
+    fast = decode.StaticDecoder(model, "graphs")
     ids = torch.randint(1000, PE_3B["vocab_size"], (1, prompt_tokens), device=device)
     mask = torch.ones_like(ids)
     params = protocol.SamplingParams(TEMPERATURE, TOP_P, new_tokens, seed=0)
@@ -229,7 +233,7 @@ def profile_decode(model, decode, protocol, prompt_tokens: int, device: str, new
 
     with torch.inference_mode():
         run(steps)
-        run(steps)  # compiled (if this shape is new) and captured in CUDA graphs
+        run(steps)  # captured in a CUDA graph (if this shape is new)
         wall_s = (cuda_time(lambda: run(steps), repeats=3) - cuda_time(lambda: run(0), repeats=3)) / steps
         full, base = kernels(steps, trace), kernels(0)
     decode_kernels = []
@@ -240,6 +244,7 @@ def profile_decode(model, decode, protocol, prompt_tokens: int, device: str, new
     gpu_us = sum(us for _, _, us in decode_kernels)
     decode_kernels.sort(key=lambda k: -k[2])
     return {
+        "form": "fp8" if holds_fp8(model) else "bf16",
         "shape": f"1x{new_tokens}", "cache": list(decode.StaticDecoder.shape(1, prompt_tokens, new_tokens)),
         "steps": steps, "wall_ms_per_token": round(wall_s * 1e3, 3), "gpu_ms_per_token": round(gpu_us / steps / 1e3, 3),
         "gpu_activities_per_token": round(sum(c for _, c, _ in decode_kernels) / steps, 1),
@@ -297,7 +302,8 @@ def gemv_table(rows: list[dict]) -> str:
 
 def profile_table(profile: dict) -> str:
     rows, slots = profile["cache"]
-    lines = [f"pack at {profile['shape']} ({rows} x {slots} cache slots), {profile['steps']} decode steps: "
+    lines = [f"{profile['form']} PE, graphed, at {profile['shape']} ({rows} x {slots} cache slots), "
+             f"{profile['steps']} decode steps: "
              f"{profile['wall_ms_per_token']} ms/token wall, {profile['gpu_ms_per_token']} ms/token on the GPU in "
              f"{profile['gpu_activities_per_token']} kernels/copies", "",
              "| kernel | calls | total ms | % of GPU time |", "|---|---|---|---|"]
@@ -328,7 +334,8 @@ def main() -> None:
     parser.add_argument("--shapes", default="1x256,1x1024,4x1024", help="batch x new tokens, comma separated")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="Baidu's template + a short prompt ~ 100")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--profile", action="store_true", help="top CUDA kernels of 32 decode steps, pack at 1x256")
+    parser.add_argument("--profile", action="store_true", help="top CUDA kernels of 32 graphed decode steps at 1x256, "
+                        "in the last variant's form")
     parser.add_argument("--gemv", action="store_true", help="bandwidth of batch-1 products per PE weight shape")
     parser.add_argument("--probe", action="store_true", help="the graphed path's tokens against the probe's eager "
                         "token of the same form (the plan's GRAPHED_PE), at the smallest batch-1 shape measured")
