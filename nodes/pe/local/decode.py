@@ -388,8 +388,8 @@ class StaticDecoder:
         finished = torch.isin(token, eos)
         position = positions[:, -1] + 1
         compiled = self.step == "compiled"
-        graphs = compiled and cuda_graphs_allowed(device)
-        step_fn = _compiled_decode_step(graphs) if compiled else _decode_step
+        compiled_graphs = compiled and cuda_graphs_allowed(device)  # torch.compile's own, not the "graphs" step's
+        step_fn = _compiled_decode_step(compiled_graphs) if compiled else _decode_step
         steps = 1
         with _recompile_limit() if compiled else contextlib.nullcontext():
             while steps < params.max_new_tokens:
@@ -399,7 +399,7 @@ class StaticDecoder:
                     request.progress(steps)
                     if not ignore_eos and bool(finished[:batch].all()):
                         break
-                if graphs:
+                if compiled_graphs:
                     torch.compiler.cudagraph_mark_step_begin()
                 with CompileClock() as clock:  # the first step of a new shape waits for the compiler
                     if self.step == "graphs":
