@@ -1,7 +1,7 @@
 """A LoRA on a GGUF DiT without the slowdown (``nodes/host/gguf_layers.py``): core's plain LoRA on a GGUF layer is
-held as its factors beside the blocks, on the device the layer loads to, added to the decoded weight as core's
-``calculate_weight`` adds it (within the weight dtype's rounding), with its scale a tensor: the pack's compile traces
-those blocks, and a new strength or another LoRA of the same ranks compiles nothing. The factors count in the
+held as its factors beside the blocks, on the device the layer loads to, added to the layer's output (as PEFT's
+unmerged layer does) within core's own distance from the exact result, with its scale a tensor: the pack's compile
+traces those blocks, and a new strength or another LoRA of the same ranks compiles nothing. The factors count in the
 patcher's size, whole or partial loads. Through the pack's MODEL, its LoRA node's patching and ComfyUI 0.3.75's own
 patcher and sampler, on the CPU; ``meta`` stands in for the GPU where only placement counts."""
 
@@ -14,6 +14,7 @@ import comfy.lora
 import comfy.model_management
 import pytest
 import torch
+import torch.nn.functional as F
 
 from comfyui_ernie_image.nodes.dit.gguf import load_gguf_dit
 from comfyui_ernie_image.nodes.dit.model import make_model_patcher
@@ -56,20 +57,31 @@ def _patched_layers(patcher) -> dict[str, torch.nn.Module]:
             for key in patcher.patches}
 
 
-def _assert_as_cores(ours: torch.Tensor, cores: torch.Tensor, what) -> None:
-    """``ours`` within two roundings, in their dtype, of the largest of ``cores``' numbers: both round the LoRA's
-    change and the sum once to the dtype; ours makes the product in the dtype with the scale in ``up`` (rounded once
-    more), core makes it in float32 and scales it after, so single numbers may round the other way (one step), and a
-    change summed over stacked LoRAs by one more."""
-    limit = 2 * torch.finfo(cores.dtype).eps * cores.abs().max().item()
-    error = (ours.float() - cores.float()).abs().max().item()
-    assert ours.dtype == cores.dtype and error <= limit, (what, error, limit)
+def _assert_as_cores(layer, patches: list, key: str, dtype: torch.dtype) -> None:
+    """The layer's output for a random input in ``dtype`` is as close to the exact one (core's formula in float64)
+    as core's is (``calculate_weight`` merged into the decoded weight in ``dtype``, then the product): within twice
+    core's error, or four roundings of the largest output where core happens to be closer. Core rounds the merged
+    weight to ``dtype``; the layer adds the LoRA's two narrow products to its output, as PEFT does."""
+    x = torch.randn(5, layer.gguf_shape[1], generator=torch.Generator().manual_seed(3)).to(dtype)
+    blocks = layer.weight.data
+
+    def merged(weight_dtype: torch.dtype) -> torch.Tensor:
+        decoded = dequantize(blocks, layer.gguf_type, layer.gguf_shape, weight_dtype)
+        return comfy.lora.calculate_weight(patches, decoded, key)
+
+    bias = None if layer.bias is None else layer.bias.double()
+    exact = F.linear(x.double(), merged(torch.float64), bias)
+    ours = layer(x)
+    cores_error = (F.linear(x, merged(dtype), None if bias is None else layer.bias.to(dtype)).double() - exact)
+    limit = max(2 * cores_error.abs().max().item(), 4 * torch.finfo(dtype).eps * exact.abs().max().item())
+    error = (ours.double() - exact).abs().max().item()
+    assert ours.dtype == dtype and torch.isfinite(ours).all() and error <= limit, (key, dtype, error, limit)
 
 
-def test_a_plain_lora_is_added_to_each_decoded_weight_as_cores_calculate_weight(gguf_path):
-    """Two LoRAs stacked (kohya's with an alpha, at -1.3; ai-toolkit's at 0.7) on every block: each layer's decoded
-    weight is what core's ``calculate_weight`` makes of the decoded weight (today's path) within its dtype's
-    rounding, in float32 and in bf16, and the layer no longer needs that per call. Unpatching gives back the DiT's
+def test_a_plain_lora_adds_to_each_layers_output_what_cores_calculate_weight_adds_to_its_weight(gguf_path):
+    """Two LoRAs stacked (kohya's with an alpha, at -1.3; ai-toolkit's at 0.7) on every block: each layer's output
+    is as close to the output of core's ``calculate_weight`` merge (exact, in float64) as core's own merge in the
+    dtype is, in float32 and in bf16, and the layer does not call core per call. Unpatching gives back the DiT's
     outputs exactly."""
     plain = _gguf_model(gguf_path)
     before = predict(plain)
@@ -83,9 +95,7 @@ def test_a_plain_lora_is_added_to_each_decoded_weight_as_cores_calculate_weight(
         assert not any(layer.patches_per_call for layer in layers.values()), "core's calculate_weight runs per call"
         for key, layer in layers.items():
             for dtype in (torch.float32, torch.bfloat16):
-                decoded = dequantize(layer.weight.data, layer.gguf_type, layer.gguf_shape, dtype)
-                cores = comfy.lora.calculate_weight(patched.patches[key], decoded, key)
-                _assert_as_cores(layer.decoded_weight(dtype, CPU), cores, (key, dtype))
+                _assert_as_cores(layer, patched.patches[key], key, dtype)
         assert (predict(patched) - before).abs().max() > 1e-2, "the LoRA changed nothing"
     finally:
         patched.unpatch_model(CPU)
@@ -95,18 +105,15 @@ def test_a_plain_lora_is_added_to_each_decoded_weight_as_cores_calculate_weight(
 def test_in_half_precision_a_large_up_factor_with_a_small_change_stays_finite(gguf_path):
     """A LoRA whose ``up`` holds numbers past half precision's range (2e5) and whose ``down`` is tiny (1e-6), so that
     its change is small (the LoRA node lets it through): in fp16 the layer still adds what core adds, finite (the
-    product in float32 there), where the scale folded into ``up`` in fp16 would be infinite. A guard of the new path:
-    today's path (core's float32 product) passes it too."""
+    LoRA's products in float32 there), where the scale folded into ``up`` in fp16 would be infinite and ``down``'s
+    product would underflow. A guard: core's merge (its product in float32) passes it too."""
     plain = _gguf_model(gguf_path)
     deltas = {layer: (down * 1e-6, up * 2e5) for layer, (down, up) in lora_helpers.deltas(EVERY_BLOCK[:2], 5).items()}
     patched = apply_lora(plain, lora_helpers.lora_file("ai-toolkit", deltas), 1.0, "wide")[0]
     patched.patch_model()
     try:
         for key, layer in _patched_layers(patched).items():
-            decoded = dequantize(layer.weight.data, layer.gguf_type, layer.gguf_shape, torch.float16)
-            ours = layer.decoded_weight(torch.float16, CPU)
-            assert torch.isfinite(ours).all(), key
-            _assert_as_cores(ours, comfy.lora.calculate_weight(patched.patches[key], decoded, key), key)
+            _assert_as_cores(layer, patched.patches[key], key, torch.float16)
     finally:
         patched.unpatch_model(CPU)
 
@@ -124,12 +131,12 @@ def test_other_adapters_stay_with_cores_calculate_weight_at_each_call(gguf_path)
         per_call = {key for key, layer in layers.items() if layer.patches_per_call}
         assert per_call == {"diffusion_model.layers.0.mlp.up_proj.weight"}
         for key, layer in layers.items():
-            decoded = dequantize(layer.weight.data, layer.gguf_type, layer.gguf_shape, torch.float32)
-            cores = comfy.lora.calculate_weight(patched.patches[key], decoded, key)
             if key in per_call:
+                decoded = dequantize(layer.weight.data, layer.gguf_type, layer.gguf_shape, torch.float32)
+                cores = comfy.lora.calculate_weight(patched.patches[key], decoded, key)
                 assert torch.equal(layer.decoded_weight(torch.float32, CPU), cores)
             else:
-                _assert_as_cores(layer.decoded_weight(torch.float32, CPU), cores, key)
+                _assert_as_cores(layer, patched.patches[key], key, torch.float32)
     finally:
         patched.unpatch_model(CPU)
 

@@ -15,8 +15,9 @@ true shape), so that core's model management moves, pins, sizes and streams them
   the layer applies to the decoded weight, as core's cast path does.
 - **LoRA factors on the device**: where a loaded layer's patches are all core's plain LoRA (``host.lora``'s
   ``plain_lora_factors``), the new parameter carries their factors copied to the device the layer loads to, and the
-  scale ``strength · alpha / rank`` as a float32 tensor there (``LoraFactors``); the layer adds ``scale · (up @
-  down)`` to the decoded weight as core's formula does (the product in the weight's dtype: ``_add_factors``). So
+  scale ``strength · alpha / rank`` as a float32 tensor there (``LoraFactors``); the layer adds ``scale · (x @
+  down.T) @ up.T`` to its output, as PEFT's unmerged LoRA layer does in diffusers (``_lora_output``), not the change
+  to its weight: a weight decoded at every call would take an [out, in] product written and read per call. So
   the pack's compile traces the block with the LoRA, the strength an input rather than a constant (a new strength
   compiles nothing), and no patch crosses the bus per prompt (ComfyUI-GGUF's ``patch_on_device`` keeps them there
   too). Unlike there, the patcher counts them in the layer's and the model's size (``lora_patch_bytes``), so core
@@ -57,18 +58,22 @@ class LoraFactors(NamedTuple):
     scale: torch.Tensor
 
 
-def _add_factors(weight: torch.Tensor, factors: tuple[LoraFactors, ...]) -> torch.Tensor:
-    """``weight`` with each LoRA's ``scale · (up @ down)`` added, in turn. Core's ``LoRAAdapter.calculate_weight``
-    makes the product in float32, scales it and rounds it to the weight's dtype; here the scale goes into ``up`` (in
-    float32, ``rank`` columns) and the product is made in the weight's dtype, as the layer's own matrix product is:
-    on a GPU the tensor cores make it, and the [out, in] product is written and read in bf16, not float32 (at true
-    size that is most of what a LoRA adds to a step). Both round the change once to the weight's dtype. Half
-    precision's narrow range (a scaled ``up`` past 65504 where the change itself is small) keeps float32."""
-    dtype = torch.float32 if weight.dtype == torch.float16 else weight.dtype
+def _lora_output(input: torch.Tensor, factors: tuple[LoraFactors, ...]) -> torch.Tensor:
+    """What the LoRAs add to the layer's output for ``input``: the sum of ``scale · (input @ down.T) @ up.T``, the
+    scale folded into ``up`` in float32. Core merges ``scale · (up @ down)`` into the weight instead; the two differ
+    by the rounding of the merged weight (``test_lora_gguf_compiled`` holds this within core's own distance from the
+    exact result). With a GGUF weight decoded at each call, merging would write and read an [out, in] product per
+    call (bench/RESULTS.md, 2026-12-05: 0.21 s of a 1.24 s prompt at true size); this adds two products of ``rank``
+    columns. Half precision computes it in float32: a ``down`` of tiny numbers underflows there and a scaled ``up``
+    can pass 65504."""
+    dtype = torch.float32 if input.dtype == torch.float16 else input.dtype
+    x = input.to(dtype)
+    added = None
     for up, down, scale in factors:
-        scaled_up = (scale.to(weight.device) * up.to(weight.device, torch.float32)).to(dtype)
-        weight = weight + torch.mm(scaled_up, down.to(weight.device, dtype)).to(weight.dtype)
-    return weight
+        scaled_up = (scale.to(input.device) * up.to(input.device, torch.float32)).to(dtype)
+        term = F.linear(F.linear(x, down.to(input.device, dtype)), scaled_up)
+        added = term if added is None else added + term
+    return added
 
 
 def _every_op() -> None:
@@ -99,12 +104,10 @@ class GGUFLinear(comfy.ops.disable_weight_init.Linear):
                 or any(t.device != self.weight.device for f in factors for t in f))
 
     def decoded_weight(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The weight on ``device`` in ``dtype``, with the LoRA patches core gave it."""
+        """The weight on ``device`` in ``dtype``, with the patches core gave it per call (``patches_per_call``); a
+        plain LoRA's factors are not in it: ``forward`` adds them to the output."""
         blocks = self.weight.to(device, non_blocking=mm.device_supports_non_blocking(device))
         weight = dequantize(blocks, self.gguf_type, self.gguf_shape, dtype)
-        factors = getattr(self.weight, FACTORS, None)
-        if factors is not None:
-            weight = _add_factors(weight, factors)
         patches = getattr(self.weight, PATCHES, None)
         if patches is not None:
             weight = comfy.lora.calculate_weight(patches[0], weight, patches[1])
@@ -131,7 +134,11 @@ class GGUFLinear(comfy.ops.disable_weight_init.Linear):
             bias = self.bias.to(input.device, input.dtype)
             for function in self.bias_function:
                 bias = function(bias)
-        return F.linear(input, self.decoded_weight(input.dtype, input.device), bias)
+        output = F.linear(input, self.decoded_weight(input.dtype, input.device), bias)
+        factors = getattr(self.weight, FACTORS, None)
+        if factors:
+            output = output + _lora_output(input, factors).to(output.dtype)
+        return output
 
 
 class GGUFOperations(comfy.ops.disable_weight_init):
