@@ -178,6 +178,19 @@ def test_a_lora_is_counted_with_a_resident_dit():
     assert "1 LoRA" in chosen.line()
 
 
+@pytest.mark.parametrize("gguf", [True, False], ids=["gguf", "bf16-or-fp8"])
+def test_a_gguf_dit_pays_its_loras_measured_cost_at_each_step_and_a_merged_one_none(gguf):
+    """A GGUF DiT's layers add the LoRA's outputs at each call (``host/gguf_layers``): each of its runs costs the
+    probe's rate per GB of the LoRA's factors more. A bf16 or FP8 DiT has the LoRA merged into its weights at load."""
+    records, lora = graph(gguf=gguf, lora=True)
+    card = Card(int(40 * GIB), PINNABLE)
+    with_lora, without = plan(records, card, costs(), lora).of(DIT), plan(records, card, costs(), None).of(DIT)
+    assert (with_lora.form, with_lora.place) == (without.form, without.place)
+    added = with_lora.record.runs * costs().seconds["lora:dit_per_gb"] * lora.patch_bytes / 1e9 if gguf else 0.0
+    assert with_lora.seconds - without.seconds == pytest.approx(added, abs=1e-12)
+    assert not gguf or added > 0.01
+
+
 def test_without_pinnable_memory_streaming_is_priced_at_the_pageable_bandwidth():
     records, lora = graph(gguf=True)
     pinned = plan(records, Card(int(7.1 * GIB), PINNABLE), costs(), lora)

@@ -61,7 +61,7 @@ def test_the_probe_gives_a_finite_positive_cost_for_every_form_and_reports_its_p
     fp8_matmul = {"dit:fp8_matmul"} if probe.fp8_matmul_runs(CPU) else set()
     text_gguf = {f"{model}:gguf:{kind}" for model in ("text", "pe") for kind in BLOCKS}  # a GGUF text encoder or PE
     assert set(costs.seconds) == {"dit:bf16", "dit:fp8_cast", "text:bf16", "text:fp8", "pe:bf16", "pe:fp8"} | gguf \
-        | fp8_matmul | text_gguf | {"vae"}
+        | fp8_matmul | text_gguf | {"vae", "lora:dit_per_gb"}
     assert set(costs.cpu_seconds) == {"text:bf16", "image:png"}  # the encode, and the decoded image as a PNG
     numbers = [costs.pinned, costs.pageable, *costs.seconds.values(), *costs.cpu_seconds.values()]
     assert all(isinstance(n, float) and math.isfinite(n) and n > 0 for n in numbers), costs

@@ -16,7 +16,7 @@ true shape), so that core's model management moves, pins, sizes and streams them
 - **LoRA factors on the device**: where a loaded layer's patches are all core's plain LoRA (``host.lora``'s
   ``plain_lora_factors``), the new parameter carries their factors copied to the device the layer loads to, and the
   scale ``strength · alpha / rank`` as a float32 tensor there (``LoraFactors``); the layer adds ``scale · (x @
-  down.T) @ up.T`` to its output, as PEFT's unmerged LoRA layer does in diffusers (``_lora_output``), not the change
+  down.T) @ up.T`` to its output, as PEFT's unmerged LoRA layer does in diffusers (``lora_output``), not the change
   to its weight: a weight decoded at every call would take an [out, in] product written and read per call. So
   the pack's compile traces the block with the LoRA, the strength an input rather than a constant (a new strength
   compiles nothing), and no patch crosses the bus per prompt (ComfyUI-GGUF's ``patch_on_device`` keeps them there
@@ -58,7 +58,7 @@ class LoraFactors(NamedTuple):
     scale: torch.Tensor
 
 
-def _lora_output(input: torch.Tensor, factors: tuple[LoraFactors, ...]) -> torch.Tensor:
+def lora_output(input: torch.Tensor, factors: tuple[LoraFactors, ...]) -> torch.Tensor:
     """What the LoRAs add to the layer's output for ``input``: the sum of ``scale · (input @ down.T) @ up.T``, the
     scale folded into ``up`` in float32. Core merges ``scale · (up @ down)`` into the weight instead; the two differ
     by the rounding of the merged weight (``test_lora_gguf_compiled`` holds this within core's own distance from the
@@ -137,7 +137,7 @@ class GGUFLinear(comfy.ops.disable_weight_init.Linear):
         output = F.linear(input, self.decoded_weight(input.dtype, input.device), bias)
         factors = getattr(self.weight, FACTORS, None)
         if factors:
-            output = output + _lora_output(input, factors).to(output.dtype)
+            output = output + lora_output(input, factors).to(output.dtype)
         return output
 
 

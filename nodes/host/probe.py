@@ -2,7 +2,8 @@
 
 Measured on synthetic layers of the real shapes (random weights made on the device; no model file is read): one DiT
 block's linears in each form the pack holds the DiT in, and its attention and element-wise work (norms, RoPE,
-activations, adaLN, residuals) once, times its 36 blocks; one text-encoder layer for a 128-token encode and for one PE
+activations, adaLN, residuals) once, times its 36 blocks, and a rank-64 LoRA's outputs on those linears (as a GGUF
+DiT adds them), per GB of its factors; one text-encoder layer for a 128-token encode and for one PE
 token after 512, times its 26 layers, on the GPU and (the encode) on the CPU; one 1024² decode by the Flux.2 VAE's
 decoder (core's, in row slabs as the pack decodes); its image saved as a PNG on the CPU, as core's SaveImage does;
 host-to-GPU copies, pinned and pageable. Everything runs eager. GGUF blocks are decoded by the pack's own ``dequantize``
@@ -40,17 +41,19 @@ from PIL import Image
 from ..cancel import check_cancel
 from ..fp8_linear import FP8, FP8_MAX, Fp8Linear, quantize_rows
 from ..gguf.dequant import BLOCKS, SCALE_OFFSETS, dequantize
-from ..plan.costs import IMAGE_PNG, Costs, read_costs, write_costs
+from ..plan.costs import IMAGE_PNG, LORA_PER_GB, Costs, read_costs, write_costs
+from .gguf_layers import LoraFactors, lora_output
 from .sampling import progress_bar
 from .vae import decode_in_row_slabs
 
 log = logging.getLogger(__name__)
 
 COSTS_FILE = ("ernie-image", "costs.json")  # under ComfyUI's user folder
-PROBE_VERSION = 5  # in the key: a probe that measures differently (another form, another shape) measures again
+PROBE_VERSION = 6  # in the key: a probe that measures differently (another form, another shape) measures again
 NVIDIA_VERSION_FILE = Path("/proc/driver/nvidia/version")
 REPEATS = 3
 HEAD_ROWS = 16384  # the PE's vocabulary head is timed on this many rows and scaled (all of it: 805 MB more)
+LORA_RANK = 64  # the probe's LoRA (the GPU check's): its cost per GB of factors is what the plan scales
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +142,19 @@ def _gguf(kind: str) -> Callable[[int, int, torch.device], Linear]:
             blocks[:, offset:offset + 2] = scales.view(torch.uint8)
         return lambda x: F.linear(x, dequantize(blocks, kind, (outputs, inputs), torch.bfloat16))
     return build
+
+
+def _lora(inputs: int, outputs: int, device: torch.device) -> Linear:
+    """A rank-``LORA_RANK`` LoRA's outputs alone, as a GGUF layer adds them to its own (``gguf_layers.lora_output``)."""
+    factors = (LoraFactors(_random((outputs, LORA_RANK), torch.bfloat16, device),
+                           _random((LORA_RANK, inputs), torch.bfloat16, device),
+                           torch.tensor(1.0, dtype=torch.float32, device=device)),)
+    return lambda x: lora_output(x, factors)
+
+
+def _lora_bytes(linears: list[tuple[int, int]]) -> int:
+    """The bf16 factors of ``_lora`` on ``linears``."""
+    return sum(LORA_RANK * (inputs + outputs) * 2 for inputs, outputs in linears)
 
 
 def fp8_matmul_runs(device: torch.device) -> bool:
@@ -298,7 +314,8 @@ def measure(device: torch.device | str, shapes: Shapes = TRUE_SHAPES,
     (batch 1, ``shapes.dit_tokens``) per form (``dit:bf16``, ``dit:fp8_cast``, ``dit:fp8_matmul`` where the device
     has FP8 matmul, ``dit:gguf:<type>`` for each GGUF block type the pack reads), of one encode of
     ``shapes.text_tokens`` (``text:bf16``, ``text:fp8``, ``text:gguf:<type>``) and of one PE token (``pe:bf16``,
-    ``pe:fp8``, ``pe:gguf:<type>``), of one 1024² decode (``vae``); ``cpu_seconds["text:bf16"]``: the encode on the
+    ``pe:fp8``, ``pe:gguf:<type>``), of one 1024² decode (``vae``), of a LoRA's outputs in one DiT forward per GB of
+    its factors (``lora:dit_per_gb``); ``cpu_seconds["text:bf16"]``: the encode on the
     CPU (one layer timed once after a warm-up, times the layers), ``cpu_seconds["image:png"]``: the decode's image
     saved as a PNG. ``progress(done, total)`` after each measurement;
     Cancel (``check_cancel``) before each."""
@@ -307,7 +324,7 @@ def measure(device: torch.device | str, shapes: Shapes = TRUE_SHAPES,
     # Measurements: two copies; the DiT's attention and element-wise rest, then each form; the text encoder's and
     # the PE's rest (two each) and the PE's head; each text form for an encode and a token; the VAE's decode; the
     # encode and the PNG on the CPU.
-    timer = _Timer(budget_s, 2 + 2 + len(forms) + 5 + 2 * len(TEXT_FORMS) + 1 + 2, progress)
+    timer = _Timer(budget_s, 2 + 2 + len(forms) + 1 + 5 + 2 * len(TEXT_FORMS) + 1 + 2, progress)
     pinned = _copy_speed(timer, device, s.copy_bytes, pinned=True)
     pageable = _copy_speed(timer, device, s.copy_bytes, pinned=False)
 
@@ -318,6 +335,7 @@ def measure(device: torch.device | str, shapes: Shapes = TRUE_SHAPES,
     dit_rest = timer.seconds(_attention(*dit_heads, s.dit_tokens, s.dit_tokens, device, causal=False), device) \
         + timer.seconds(_pointwise(s.dit_tokens, s.dit_hidden, *dit_heads, s.dit_ffn, device, dit=True), device)
     seconds = {key: s.dit_blocks * (dit(build) + dit_rest) for key, build in forms.items()}
+    seconds[LORA_PER_GB] = dit(_lora) * 1e9 / _lora_bytes(s.dit_linears())
 
     heads = (s.text_heads, s.text_kv_heads, s.text_head_dim)
     text_rest = timer.seconds(_attention(*heads, s.text_tokens, s.text_tokens, device, causal=True), device) \

@@ -3,7 +3,9 @@
 ``seconds`` maps a form's ``compute`` key (``records.Form.compute``) to the seconds of one run with its weights on the
 GPU: one DiT forward pass at 1024² (``dit:bf16``, ``dit:fp8_cast``, ``dit:fp8_matmul``, ``dit:gguf:Q4_K``, …), one
 text-encoder encode of a 128-token prompt (``text:bf16``, ``text:fp8``, ``text:gguf:Q4_K``, …), one PE token
-(``pe:bf16``, ``pe:fp8``, ``pe:gguf:Q4_K``, …), one 1024² VAE decode (``vae``); ``cpu_seconds`` the same runs on the CPU
+(``pe:bf16``, ``pe:fp8``, ``pe:gguf:Q4_K``, …), one 1024² VAE decode (``vae``), what a plain LoRA adds to one DiT
+forward pass where its layers add its outputs at each call, per GB of its factors (``lora:dit_per_gb``: a GGUF DiT's;
+other forms have it merged at load); ``cpu_seconds`` the same runs on the CPU
 where they can run there, and the CPU work after a decode: its 1024² image saved as a PNG (``image:png``). A file is
 read only as JSON, bounded in size, every number finite and within what a machine can measure (a second's billionth to a
 day; a kilobyte to 100 TB per second): it is a file another process can write, and a cost of 1e-300 s would make a form
@@ -21,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 IMAGE_PNG = "image:png"
+LORA_PER_GB = "lora:dit_per_gb"
 MAX_FILE_BYTES = 1 << 16
 SECONDS_RANGE = (1e-9, 86400.0)
 BYTES_PER_SECOND_RANGE = (1e3, 1e14)

@@ -11,12 +11,12 @@ GPU, what the running model holds and its working memory; a plan is possible whe
 usable memory.
 
 Time: each model's runs at the measured cost of its form (``costs``), plus the bytes it moves each prompt at the
-measured bandwidth (pinned for streamed weights and for the host copy a per-prompt model keeps, the text encoder,
-the PE or an FP8 DiT without LoRA, where core may pin them all; pageable for whole loads of the others, in and out;
-for core's partial loading the rates it reached on the H200, ``CORE_STREAMING`` and ``CORE_RELOAD`` or, with a LoRA,
-``CORE_RELOAD_LORA``), plus the CPU work after a run (``LoadRecord.host_work``: the decode's image saved as a PNG,
-0.2-0.3 s of every measured prompt, the same in every plan). Every combination is tried (a handful of forms and
-places per model).
+measured bandwidth (pinned for streamed weights and for the host copy a per-prompt model keeps, the text encoder, the
+PE or an FP8 DiT without LoRA, where core may pin them all; pageable for whole loads of the others, in and out; for
+core's partial loading the rates it reached on the H200, ``CORE_STREAMING`` and ``CORE_RELOAD`` or, with a LoRA,
+``CORE_RELOAD_LORA``), plus a GGUF DiT's LoRA added at each call (``_lora_seconds``), plus the CPU work after a run
+(``LoadRecord.host_work``: the decode's image saved as a PNG, 0.2-0.3 s of every measured prompt, the same in every
+plan). Every combination is tried (a handful of forms and places per model).
 
 Host RAM: what is not on the GPU between stages is in host RAM (a model on the CPU, streamed, loaded per prompt, or
 what a partial DiT does not keep or gives up); a DiT with a LoRA holds all its weights and the LoRA there wherever it
@@ -38,7 +38,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from .costs import Costs
+from .costs import LORA_PER_GB, Costs
 from .records import CPU, DIT, PARTIAL, PER_PROMPT, RESIDENT, ROLES, STREAMED, Form, LoadRecord, LoraSet
 
 GIB = 2**30
@@ -179,6 +179,15 @@ def _run_seconds(record: LoadRecord, form: Form, place: str, costs: Costs) -> fl
     return None if place == CPU else 0.0
 
 
+def _lora_seconds(record: LoadRecord, form: Form, lora: LoraSet | None, costs: Costs) -> float:
+    """What one DiT run adds for its LoRA where the LoRA is applied at each call: a GGUF DiT's layers add its
+    outputs (``host/gguf_layers``), at the probe's rate per GB of factors; the other forms have it merged into
+    their weights at load (core's patching, or merged and quantized again: a first-prompt cost)."""
+    if record.role != DIT or lora is None or form.gguf_type is None:
+        return 0.0
+    return record.compute_scale * costs.seconds.get(LORA_PER_GB, 0.0) * lora.patch_bytes / 1e9
+
+
 def _held(record: LoadRecord, form: Form, lora_bytes: int) -> int:
     """What a model holds on the GPU in ``form`` once loaded: the DiT with its LoRA patches."""
     return form.weight_bytes + (lora_bytes if record.role == DIT else 0)
@@ -270,6 +279,7 @@ def _evaluate(choice: Sequence[tuple[LoadRecord, Form, str]], lora: LoraSet | No
         run = _run_seconds(record, form, place, costs)
         if run is None:
             return None
+        run += _lora_seconds(record, form, lora, costs)
         gpu = _held(record, form, lora_bytes) if place == RESIDENT else 0
         moved = 0
         if place == STREAMED:

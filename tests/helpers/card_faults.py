@@ -10,7 +10,10 @@ from types import ModuleType
 GIB = 2**30
 CONTEXT = GIB // 2  # what a CUDA context takes of a real card, outside torch's allocator
 SECONDS = {"dit:bf16": 0.16, "dit:fp8_cast": 0.20, "dit:fp8_matmul": 0.11, "dit:gguf:Q4_K": 0.15, "text:bf16": 0.04,
-           "text:fp8": 0.05, "pe:bf16": 0.02, "pe:fp8": 0.02, "vae": 0.09}
+           "text:fp8": 0.05, "pe:bf16": 0.02, "pe:fp8": 0.02, "vae": 0.09,
+           # A GGUF DiT's LoRA per forward and GB of factors: as the form that merged it into each decoded weight took
+           # on the H100 (0.21 s over 8 forwards of the check's 0.38 GB LoRA, bench/RESULTS.md session 31).
+           "lora:dit_per_gb": 0.07}
 CPU_SECONDS = {"text:bf16": 2.0, "text:fp8": 2.5, "pe:bf16": 0.5, "pe:fp8": 0.6, "image:png": 0.2}
 PINNED, PAGEABLE = 25e9, 8e9
 
