@@ -18,7 +18,8 @@ from torch.testing._internal.two_tensor import TwoTensor
 from comfyui_ernie_image.nodes.dit.gguf import load_gguf_dit
 from comfyui_ernie_image.nodes.dit.model import make_model_patcher
 from comfyui_ernie_image.nodes.dit.vae import load_vae
-from comfyui_ernie_image.nodes.host import host_copy
+from comfyui_ernie_image.nodes.host import gguf_layers, host_copy
+from comfyui_ernie_image.nodes.host.gguf_layers import GGUFLinear
 from comfyui_ernie_image.nodes.host.patchers import ManagedModule, WholeModelPatcher
 from comfyui_ernie_image.nodes.lora.patching import apply_lora
 from helpers import lora as lora_helpers
@@ -190,3 +191,87 @@ def test_the_vae_loaded_per_prompt_keeps_its_host_copy_and_core_unloads_it_whole
     for name, p in model.named_parameters():
         assert torch.equal(p, weights[name]), name
     assert host_copy.held_on_host() >= sum(t.nbytes for t in weights.values())
+
+
+def _gguf_layer() -> tuple[GGUFLinear, torch.Tensor]:
+    """A core ``comfy.ops`` linear layer holding Q8_0 blocks, as a GGUF DiT's layers do (their values never read)."""
+    layer = GGUFLinear(256, 64)
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (64 * 256 // 32 * 34,), dtype=torch.uint8, generator=generator)
+    layer.hold(blocks.clone(), "Q8_0", (64, 256))
+    layer.bias = torch.nn.Parameter(torch.zeros(64), requires_grad=False)
+    return layer, blocks
+
+
+def _unloaded_by_copy(layer: GGUFLinear, blocks: torch.Tensor) -> None:
+    """Core's first unload of ``layer``: a copy from the GPU, the step the meta device cannot give (new parameters
+    as torch's move from meta makes them)."""
+    layer.weight = torch.nn.Parameter(blocks.clone(), requires_grad=False)
+    layer.bias = torch.nn.Parameter(torch.zeros(64), requires_grad=False)
+
+
+def test_a_gguf_layer_core_loads_again_keeps_its_blocks_host_copy_and_unloads_without_a_copy():
+    """A GGUF layer core moves to the host and back each prompt (its part of a partial unload before the decode on
+    a small card) keeps its blocks' host copy from its second load on; later unloads point at it (from the meta
+    device nothing could be copied back). On main every unload copied the blocks back."""
+    layer, blocks = _gguf_layer()
+    layer.to(GPU)  # its first load: a layer that stays loaded keeps nothing
+    with pytest.raises(NotImplementedError, match="meta"):
+        layer.to(CPU)
+    _unloaded_by_copy(layer, blocks)
+    held = []
+    for _ in range(2):
+        layer.to(GPU)  # loaded again: its host blocks are kept
+        assert layer.weight.device == GPU
+        layer.to(CPU)  # nothing copied: from the meta device nothing could be
+        assert torch.equal(layer.weight, blocks) and layer.gguf_shape == (64, 256)
+        held.append(layer.weight.data_ptr())
+    assert held[0] == held[1] == host_copy.kept_tensor(layer, "weight").data_ptr()
+
+
+def test_a_gguf_layer_keeps_no_copy_when_the_host_ram_is_the_systems_fault_injected(monkeypatch):
+    """As for a whole model (``spare_host_memory`` answering below what the pack leaves to the system): the layer's
+    unloads copy back as core copies (from the meta device they cannot)."""
+    monkeypatch.setattr(host_copy, "spare_host_memory", lambda: -1)
+    layer, blocks = _gguf_layer()
+    layer.to(GPU)
+    _unloaded_by_copy(layer, blocks)
+    layer.to(GPU)
+    assert host_copy.kept_tensor(layer, "weight") is None
+    with pytest.raises(NotImplementedError, match="meta"):
+        layer.to(CPU)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA GPU (the H200 check runs it)")
+def test_on_a_gpu_a_gguf_dit_with_a_lora_core_unloads_in_part_reloads_pinned_without_copies_back(tmp_path,
+                                                                                                monkeypatch):
+    """Core's own ``partially_unload`` and ``partially_load`` (what it does around the VAE's decode on a small card),
+    three prompts: from the second on, the layers it moves hold pinned host blocks, and the third unload leaves
+    every moved layer on the same host memory as the second (no copy back); the LoRA's factors come from pinned
+    copies; the blocks stay the file's."""
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", int(0.95 * psutil.virtual_memory().total))
+    cuda = torch.device("cuda")
+    model = load_gguf_dit(write_gguf(tmp_path / "dit.gguf", tiny_dit_state(), mixed_kind), torch.float32)
+    blocks = {name: layer.weight.detach().clone() for name, layer in model.named_modules()
+              if getattr(layer, "gguf_type", None)}
+    patcher, report = apply_lora(make_model_patcher(model), lora_helpers.lora_file("ai-toolkit", lora_helpers.deltas(
+        lora_helpers.LAYERS, 1)), 1.0, "tiny.safetensors")
+    assert report.applied == len(lora_helpers.LAYERS), report.text()
+    patcher.load(cuda, full_load=True)
+    held = []
+    for _ in range(3):
+        freed = patcher.partially_unload(CPU, patcher.model_size())  # every layer core can move
+        assert freed > 0
+        layers = {name: layer for name, layer in patcher.model.diffusion_model.named_modules() if name in blocks}
+        assert all(layer.weight.device == CPU for layer in layers.values())
+        held.append({name: layer.weight.data_ptr() for name, layer in layers.items()})
+        patcher.partially_load(cuda, extra_memory=patcher.model_size())
+        assert all(layer.weight.is_cuda for layer in layers.values())
+    assert held[1] == held[2]
+    for name, layer in layers.items():
+        kept = host_copy.kept_tensor(layer, "weight")
+        assert kept is not None and kept.is_pinned() and torch.equal(kept, blocks[name]), name
+    for name in lora_helpers.LAYERS:
+        factors = getattr(layers[name].weight, gguf_layers.FACTORS)
+        assert all(t.is_cuda for f in factors for t in f[:2]), name
+    patcher.detach()

@@ -7,7 +7,8 @@ true shape), so that core's model management moves, pins, sizes and streams them
 
 - **Partial loading**: the layers are ``comfy.ops`` layers, so where the card is too small, core leaves some of them
   on the offload device (``ModelPatcher.load(lowvram_model_memory=…)``); their blocks travel to the GPU at each call
-  and are decoded there: 4.5 bits a weight cross the bus instead of 16.
+  and are decoded there: 4.5 bits a weight cross the bus instead of 16. A layer core unloads for another model's
+  room and loads again each prompt keeps its blocks' host copy, pinned (``host_copy.before_layer_move``).
 - **LoRA**: core's patches reach a decoded weight two ways. A layer core loaded whole gets its patches through
   ``patch_weight_to_device``, which ``GGUFModelPatcher`` turns into a new parameter over the same blocks carrying
   the patches, the original kept as core's backup: every way core restores a weight (unpatching, partial unloading)
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ..gguf.dequant import dequantize
+from . import host_copy
 from .lora import plain_lora_factors
 
 _Backup = collections.namedtuple("Dimension", ["weight", "inplace_update"])  # core's backup record, as it makes them
@@ -83,6 +85,19 @@ def _every_op() -> None:
         hook()
 
 
+def _moves_to(fn) -> torch.device | None:
+    """The device ``Module._apply``'s ``fn`` moves tensors to (``.to(device)``), or None where it moves none (a
+    dtype's change), told by empty tensors: one on the host (which any move takes to its device), then one on the
+    meta device, which a move to a device with data cannot copy out of."""
+    device = fn(torch.empty(0, dtype=torch.uint8)).device
+    if device.type != "cpu":
+        return device
+    try:
+        return None if fn(torch.empty(0, dtype=torch.uint8, device="meta")).is_meta else device
+    except NotImplementedError:  # "Cannot copy out of meta tensor": a move to the host
+        return device
+
+
 class GGUFLinear(comfy.ops.disable_weight_init.Linear):
     """A linear layer of core's whose weight may be GGUF blocks (``hold``); with a plain weight it is core's."""
 
@@ -118,7 +133,11 @@ class GGUFLinear(comfy.ops.disable_weight_init.Linear):
     def _apply(self, fn, *args, **kwargs):
         """``Module._apply`` (``.to()``, as core moves a layer), keeping the patches on the weight: torch keeps the
         parameter object only where the devices' tensors are alike (CPU and CUDA, not ``meta``; and not with
-        ``torch.__future__``'s overwrite of parameters on conversion)."""
+        ``torch.__future__``'s overwrite of parameters on conversion). A move between the host and the GPU keeps
+        the blocks' host copy once core has moved the layer back and forth (``host_copy.before_layer_move``)."""
+        device = _moves_to(fn) if self.gguf_type is not None else None
+        if device is not None and device != self.weight.device:
+            host_copy.before_layer_move(self, device)
         carried = {name: getattr(self.weight, name) for name in (PATCHES, FACTORS) if hasattr(self.weight, name)}
         module = super()._apply(fn, *args, **kwargs)
         for name, value in carried.items():
@@ -219,14 +238,21 @@ class GGUFModelPatcher(comfy.model_patcher.ModelPatcher):
         with torch.inference_mode(False):
             if key not in self.backup:
                 self.backup[key] = _Backup(layer.weight, False)
-            blocks = self.backup[key].weight.data
+            original = self.backup[key].weight
+            kept = host_copy.kept_tensor(layer, "weight")  # the same blocks, pinned: the copy core loaded before
+            if kept is not None and original.device == kept.device and original.data_ptr() != kept.data_ptr():
+                original.data = kept
+            blocks = original.data
             patched = torch.nn.Parameter(blocks, requires_grad=False)  # the same blocks
             triples = plain_lora_factors(self.patches[key], layer.gguf_shape)
             if triples is None:
                 setattr(patched, PATCHES, (self.patches[key], key))
             else:
                 device = blocks.device if device_to is None else device_to
+                # A layer core loads again each prompt (it keeps its host copy) loads its factors from pinned copies.
+                source = host_copy.pinned if kept is not None else (lambda factor: factor)
                 setattr(patched, FACTORS, tuple(
-                    LoraFactors(up.to(device), down.to(device), torch.tensor(scale, dtype=torch.float32, device=device))
+                    LoraFactors(source(up).to(device), source(down).to(device),
+                                torch.tensor(scale, dtype=torch.float32, device=device))
                     for up, down, scale in triples))
             layer.weight = patched

@@ -8,7 +8,8 @@ The PE, the text encoder and a torchao DiT without LoRA patches hold the same we
 core has unloaded one of them (it is loaded per prompt), its host tensors stay: pinned within core's bound
 (``model_management.pin_memory``), the next load copies from them at the pinned rate, and each later unload points
 the weights at them again instead of copying back. A model core never unloads keeps no second copy, nor does one
-while the host RAM left is what the pack leaves to the system (``memory.spare_host_memory``).
+while the host RAM left is what the pack leaves to the system (``memory.spare_host_memory``). A GGUF DiT, which core
+loads in part, does this per layer (``before_layer_move``): its blocks never change either.
 
 torchao's weights are tensor subclasses: their inner tensors are what is copied and pinned, and the weight is made
 again around them (``__tensor_unflatten__``, as torch's tracing does).
@@ -28,6 +29,7 @@ import comfy.utils
 import psutil
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .memory import ModelPatcher, spare_host_memory
 from .sizes import plain_tensors
@@ -35,6 +37,8 @@ from .streaming import clear_registration_error, in_own_pages
 
 _KEPT: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
 _UNLOADED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # unloaded by core once: loaded per prompt
+_LOADED_ONCE: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # layers core has moved off the host once
+_PINNED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a LoRA factor on the host -> its pinned copy (``pinned``)
 # The pack's models alive in this process, each with its patcher's backups: the original of each weight a LoRA
 # patches, which core keeps on the offload device while the patched one is loaded (``patch_weight_to_device``; a
 # patcher's clones share its ``backup``: 0.3.75 and upstream model_patcher.py @08d0e510).
@@ -54,8 +58,8 @@ def held_on_host() -> int:
     seen: set[int] = set()
     held = 0
     for model, backup in list(_MODELS.items()):
-        tensors = [*model.parameters(), *model.buffers(), *_KEPT.get(model, {}).values(),
-                   *(saved.weight for saved in list(backup.values()))]
+        kept = (t for module in model.modules() for t in _KEPT.get(module, {}).values())  # its layers' too
+        tensors = [*model.parameters(), *model.buffers(), *kept, *(saved.weight for saved in list(backup.values()))]
         for tensor in (inner for t in tensors for inner in plain_tensors(t)):
             if tensor.device.type != "cpu" or tensor.untyped_storage().data_ptr() in seen:
                 continue
@@ -97,6 +101,51 @@ def before_load(model: torch.nn.Module) -> int:
         logging.info("ERNIE-Image: %s keeps no host copy: the host RAM left (%.1f GiB) is the system's",
                      type(model).__name__, psutil.virtual_memory().available / 2**30)
         return 0
+    return _keep(model)
+
+
+def before_layer_move(layer: torch.nn.Module, device: torch.device) -> None:
+    """Before core moves ``layer`` to ``device`` by itself: one layer of a model core loads in part, whose weights
+    never change (a GGUF layer's blocks: a LoRA is added beside them). Where core takes a layer's room for another
+    model and gives it back each prompt (``partially_unload`` before the VAE's decode on a small card, then a whole
+    load for sampling), the layer keeps its host copy as a whole model does here: from its second load on, pinned,
+    and its later unloads point at it instead of copying back. A layer that stays loaded keeps no second copy.
+    Quiet (a model has hundreds of layers); where the host RAM left is the system's, it moves as core moves it."""
+    if device.type == "cpu":
+        before_unload(layer, device)
+    elif layer not in _LOADED_ONCE:
+        _LOADED_ONCE.add(layer)
+    elif layer not in _KEPT and spare_host_memory() >= 0:
+        _keep(layer)  # loaded again: core unloaded it in between
+
+
+def kept_tensor(module: torch.nn.Module, name: str) -> torch.Tensor | None:
+    """The host copy ``module`` keeps of its tensor ``name``, or None."""
+    return _KEPT.get(module, {}).get(name)
+
+
+def pinned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (on the host, never changed: a LoRA's factor) from memory pinned within core's bound, copied
+    once and kept while ``tensor`` lives, for a layer that loads it again each prompt; ``tensor`` itself where it
+    cannot be (on the GPU, pinned already, not contiguous, past core's bound, or the host RAM left is the
+    system's)."""
+    copy = _PINNED.get(tensor)
+    if copy is not None:
+        return copy
+    if (tensor.device.type != "cpu" or tensor.is_pinned() or not tensor.is_contiguous()
+            or getattr(mm, "MAX_PINNED_MEMORY", 0) <= 0 or spare_host_memory() < 0):
+        return tensor
+    copy = in_own_pages(tensor)
+    if not mm.pin_memory(torch.nn.Parameter(copy, requires_grad=False)):
+        clear_registration_error()
+        return tensor
+    _PINNED[tensor] = copy
+    weakref.finalize(tensor, _unpin, [copy]).atexit = False  # the copy goes with ``tensor``
+    return copy
+
+
+def _keep(model: torch.nn.Module) -> int:
+    """Keep ``model``'s host tensors from now on, pinned where core's bound allows; the bytes pinned."""
     kept, pinned = {}, []
     pins = getattr(mm, "MAX_PINNED_MEMORY", 0) > 0
     with torch.inference_mode(False):
