@@ -246,9 +246,10 @@ def test_a_gguf_layer_keeps_no_copy_when_the_host_ram_is_the_systems_fault_injec
 def test_on_a_gpu_a_gguf_dit_with_a_lora_core_unloads_in_part_reloads_pinned_without_copies_back(tmp_path,
                                                                                                 monkeypatch):
     """Core's own ``partially_unload`` and ``partially_load`` (what it does around the VAE's decode on a small card),
-    three prompts: from the second on, the layers it moves hold pinned host blocks, and the third unload leaves
-    every moved layer on the same host memory as the second (no copy back); the LoRA's factors come from pinned
-    copies; the blocks stay the file's."""
+    four prompts: the layers it moves hold pinned host blocks from their second load on, a LoRA-patched one from its
+    third (core's backup of it holds the blocks it loaded before until then); from then on every unload leaves each
+    moved layer on the same host memory (no copy back); the LoRA's factors come from pinned copies; the blocks stay
+    the file's."""
     monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", int(0.95 * psutil.virtual_memory().total))
     cuda = torch.device("cuda")
     model = load_gguf_dit(write_gguf(tmp_path / "dit.gguf", tiny_dit_state(), mixed_kind), torch.float32)
@@ -259,7 +260,7 @@ def test_on_a_gpu_a_gguf_dit_with_a_lora_core_unloads_in_part_reloads_pinned_wit
     assert report.applied == len(lora_helpers.LAYERS), report.text()
     patcher.load(cuda, full_load=True)
     held = []
-    for _ in range(3):
+    for _ in range(4):
         freed = patcher.partially_unload(CPU, patcher.model_size())  # every layer core can move
         assert freed > 0
         layers = {name: layer for name, layer in patcher.model.diffusion_model.named_modules() if name in blocks}
@@ -267,7 +268,7 @@ def test_on_a_gpu_a_gguf_dit_with_a_lora_core_unloads_in_part_reloads_pinned_wit
         held.append({name: layer.weight.data_ptr() for name, layer in layers.items()})
         patcher.partially_load(cuda, extra_memory=patcher.model_size())
         assert all(layer.weight.is_cuda for layer in layers.values())
-    assert held[1] == held[2]
+    assert held[2] == held[3]
     for name, layer in layers.items():
         kept = host_copy.kept_tensor(layer, "weight")
         assert kept is not None and kept.is_pinned() and torch.equal(kept, blocks[name]), name

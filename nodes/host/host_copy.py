@@ -109,8 +109,10 @@ def before_layer_move(layer: torch.nn.Module, device: torch.device) -> None:
     never change (a GGUF layer's blocks: a LoRA is added beside them). Where core takes a layer's room for another
     model and gives it back each prompt (``partially_unload`` before the VAE's decode on a small card, then a whole
     load for sampling), the layer keeps its host copy as a whole model does here: from its second load on, pinned,
-    and its later unloads point at it instead of copying back. A layer that stays loaded keeps no second copy.
-    Quiet (a model has hundreds of layers); where the host RAM left is the system's, it moves as core moves it."""
+    and its later unloads point at it instead of copying back (a LoRA-patched GGUF layer's unloads from its third:
+    until then core's backup of the weight holds the blocks it loaded before, ``GGUFModelPatcher``). A layer that
+    stays loaded keeps no second copy. Quiet (a model has hundreds of layers); where the host RAM left is the
+    system's, it moves as core moves it."""
     if device.type == "cpu":
         before_unload(layer, device)
     elif layer not in _LOADED_ONCE:
