@@ -697,7 +697,8 @@ class ServerCollection:
 
 # What a workflow may write to the machine's disk: a quantized DiT the pack saves (8.2 GB true size) and inductor's
 # caches. On the H200 (64 GiB disk, 42 GB of the check's models) the saved DiTs of three sources filled it
-# (2026-12-05: "No space left on device").
+# (2026-12-05: "No space left on device"); so did three modes at once, each keeping room for itself alone
+# (2026-12-06): each worker keeps room for every mode running (``--modes-at-once``).
 DISK_NEED = 12 * 10**9
 
 
@@ -735,6 +736,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, help="image size instead of the workflows' own")
     parser.add_argument("--base-steps", type=int, help="at most this many sampling steps")
     parser.add_argument("--warm-runs", type=int, default=1, help="warm runs per workflow (each a new prompt)")
+    parser.add_argument("--modes-at-once", type=int, default=1,
+                        help="ComfyUI processes the check runs at once: each keeps disk room for all of them")
     parser.add_argument("--copies", action="store_true", help="one more warm run per workflow under the torch "
                         "profiler: the bytes copied host <-> GPU (its time is not a warm time)")
     parser.add_argument("--allocations", action="store_true", help="one more warm run per workflow under torch's "
@@ -776,10 +779,10 @@ def main() -> None:
         return row
 
     for path in map(Path, options.workflows.split(",")):
-        removed = keep_disk_for_a_workflow(options.base / "models" / "ernie_quantized")
+        need = DISK_NEED * options.modes_at_once
+        removed = keep_disk_for_a_workflow(options.base / "models" / "ernie_quantized", need=need)
         if removed:
-            print(f"== disk: removed the saved quantized DiTs {removed} to keep {DISK_NEED / 1e9:.0f} GB free",
-                  flush=True)
+            print(f"== disk: removed the saved quantized DiTs {removed} to keep {need / 1e9:.0f} GB free", flush=True)
         graph = json.loads(path.read_text())
         turbo = graph if path.stem == "ernie_image_turbo" else turbo
         labels = ["first", "warm", *(f"warm {n}" for n in range(2, options.warm_runs + 1))]

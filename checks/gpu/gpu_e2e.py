@@ -278,6 +278,7 @@ def _run_worker(mode: str, args, models: Path, log, deadline: float, workflows: 
                "--core", args.core, "--base", str(base), "--flags=" + flags + (" --cpu" if args.cpu else ""),
                "--workflows", ",".join(str(twin_path(args, w)) for w in workflows),
                "--json", str(results), "--pe-tokens", str(args.pe_tokens), "--warm-runs", str(args.warm_runs)]
+    command += ["--modes-at-once", str(args.parallel)]
     command += ["--card-gib", str(card)] if card else []
     command += ["--size", "256"] if args.tiny else []
     command += ["--base-steps", str(args.base_steps)] if args.base_steps else []
