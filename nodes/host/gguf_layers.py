@@ -250,7 +250,7 @@ class GGUFModelPatcher(comfy.model_patcher.ModelPatcher):
             else:
                 device = blocks.device if device_to is None else device_to
                 # A layer core loads again each prompt (it keeps its host copy) loads its factors from pinned copies.
-                source = host_copy.pinned if kept is not None else (lambda factor: factor)
+                source = host_copy.pinned_copy if kept is not None else (lambda factor: factor)
                 setattr(patched, FACTORS, tuple(
                     LoraFactors(source(up).to(device), source(down).to(device),
                                 torch.tensor(scale, dtype=torch.float32, device=device))

@@ -38,7 +38,7 @@ from .streaming import clear_registration_error, in_own_pages
 _KEPT: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
 _UNLOADED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # unloaded by core once: loaded per prompt
 _LOADED_ONCE: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # layers core has moved off the host once
-_PINNED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a LoRA factor on the host -> its pinned copy (``pinned``)
+_PINNED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a LoRA factor on the host -> its pinned copy (``pinned_copy``)
 # The pack's models alive in this process, each with its patcher's backups: the original of each weight a LoRA
 # patches, which core keeps on the offload device while the patched one is loaded (``patch_weight_to_device``; a
 # patcher's clones share its ``backup``: 0.3.75 and upstream model_patcher.py @08d0e510).
@@ -126,7 +126,7 @@ def kept_tensor(module: torch.nn.Module, name: str) -> torch.Tensor | None:
     return _KEPT.get(module, {}).get(name)
 
 
-def pinned(tensor: torch.Tensor) -> torch.Tensor:
+def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` (on the host, never changed: a LoRA's factor) from memory pinned within core's bound, copied
     once and kept while ``tensor`` lives, for a layer that loads it again each prompt; ``tensor`` itself where it
     cannot be (on the GPU, pinned already, not contiguous, past core's bound, or the host RAM left is the
