@@ -138,7 +138,7 @@ def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
             or getattr(mm, "MAX_PINNED_MEMORY", 0) <= 0 or spare_host_memory() < 0):
         return tensor
     copy = in_own_pages(tensor)
-    if not mm.pin_memory(torch.nn.Parameter(copy, requires_grad=False)):
+    if not _core_pins(copy):
         clear_registration_error()
         return tensor
     _PINNED[tensor] = copy
@@ -162,9 +162,7 @@ def _keep(model: torch.nn.Module) -> int:
                 kept[name] = parameter.detach()  # another object: core's move may swap the Parameter's contents
                 continue
             host, inner = _in_own_pages(parameter.detach())
-            # Core registers memory in place, whole pages (a tensor sharing a page with another is refused), and
-            # in 0.3.75 only what it types as a Parameter.
-            pinned += [t for t in inner if mm.pin_memory(torch.nn.Parameter(t, requires_grad=False))]
+            pinned += [t for t in inner if _core_pins(t)]
             if wrapper:
                 comfy.utils.set_attr_param(model, name, host)
             else:
@@ -175,6 +173,12 @@ def _keep(model: torch.nn.Module) -> int:
     if pinned:
         weakref.finalize(model, _unpin, pinned).atexit = False
     return sum(t.nbytes for t in pinned)
+
+
+def _core_pins(tensor: torch.Tensor) -> bool:
+    """Whether core pinned ``tensor`` (in pages of its own) within its bound. Core registers memory in place, whole
+    pages (a tensor sharing a page with another is refused), and in 0.3.75 only what it types as a Parameter."""
+    return mm.pin_memory(torch.nn.Parameter(tensor, requires_grad=False))
 
 
 def _in_own_pages(tensor: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
