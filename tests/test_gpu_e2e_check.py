@@ -44,6 +44,10 @@ def test_the_check_runs_the_workflows_through_comfyuis_executor(tmp_path):
     notes = " ".join(next(r for r in runs if r["workflow"] == "ernie_image_gguf_lora" and r["run"] == "first")["notes"])
     assert "general.architecture 'wan'" in notes and "held as GGUF blocks (52 Q4_K, 1 Q5_K, 20 Q6_K)" in notes
     assert "applied 70 of its 70 diffusion-model layers" in notes
+    # Core's model-management calls timed in each run: the first Turbo prompt loads its models through core.
+    first_turbo = next(r for r in runs if r["workflow"] == "ernie_image_turbo" and r["run"] == "first")
+    calls, seconds = first_turbo["core_s"]["load_models_gpu"]
+    assert calls >= 2 and 0 < seconds < first_turbo["seconds"]
     assert "| - | ernie_image_turbo_native | not run: needs ComfyUI >= 0.19" in "\n".join(table)
     # The sweep table is written for every run, and prints without a plan (today's pack logs none).
     sweep = (out / "sweep.md").read_text().splitlines()

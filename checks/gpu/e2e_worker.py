@@ -456,6 +456,52 @@ def node_peaks(started: list[tuple[str, float]], peaks: list[tuple[float, float,
             for (node, _), at, end in zip(started, peaks[:-1], peaks[1:], strict=True)}
 
 
+# Core's model-management calls whose host seconds each run records (``core_s``: calls and seconds per name, nested
+# calls inside their callers' time): what a prompt spends loading and unloading models between the nodes' own work.
+CORE_CALLS = (("comfy.model_management", "load_models_gpu"), ("comfy.model_management", "free_memory"),
+              ("comfy.model_patcher", "ModelPatcher.load"), ("comfy.model_patcher", "ModelPatcher.partially_load"),
+              ("comfy.model_patcher", "ModelPatcher.partially_unload"),
+              ("comfy.model_patcher", "ModelPatcher.unpatch_model"), ("comfy.model_patcher", "ModelPatcher.detach"))
+
+
+class CoreClock:
+    """Times ``CORE_CALLS`` on the host (no synchronization added: a call's queued GPU work is not in it): per name,
+    the calls and seconds since ``reset``; and the calls of 5 ms or more as ``[name, s after reset, s]``, in order."""
+
+    def __init__(self):
+        self.totals: dict[str, list] = {}
+        self.calls: list[list] = []
+        self.zero = time.perf_counter()
+        for module_name, qualified in CORE_CALLS:
+            owner = sys.modules.get(module_name)
+            *outer, name = qualified.split(".")
+            for part in outer:
+                owner = getattr(owner, part, None)
+            if owner is not None and callable(getattr(owner, name, None)):
+                setattr(owner, name, self._timed(qualified, getattr(owner, name)))
+
+    def _timed(self, name: str, function):
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                seconds = time.perf_counter() - start
+                total = self.totals.setdefault(name, [0, 0.0])
+                total[0] += 1
+                total[1] += seconds
+                if seconds >= 0.005 and len(self.calls) < 200:
+                    self.calls.append([name, round(start - self.zero, 3), round(seconds, 3)])
+        return timed
+
+    def reset(self) -> None:
+        self.totals, self.calls, self.zero = {}, [], time.perf_counter()
+
+    def row(self) -> dict:
+        return dict(core_s={name: [n, round(s, 3)] for name, (n, s) in self.totals.items()}, core_calls=self.calls)
+
+
 def _synchronize() -> None:
     import torch
 
@@ -510,9 +556,10 @@ def compile_seconds(before: dict[str, tuple[int, float]]) -> dict[str, list]:
             for phase, (count, seconds) in compile_phases().items() if count > before[phase][0]}
 
 
-def run_prompt(execution, executor, graph: dict, nvml: NvmlPeak | None = None) -> dict:
+def run_prompt(execution, executor, graph: dict, nvml: NvmlPeak | None = None, clock: CoreClock | None = None) -> dict:
     """Validate and execute ``graph``; its time, result, peak GPU memory (torch's, and NVML's with ``nvml``), the
-    model loads logged, the patchers of the models held after it, and log notes."""
+    model loads logged, the patchers of the models held after it, core's model-management calls timed (``clock``),
+    and log notes."""
     import contextlib
 
     import torch
@@ -529,6 +576,8 @@ def run_prompt(execution, executor, graph: dict, nvml: NvmlPeak | None = None) -
     executor.server.started.clear()
     executor.server.peaks.clear()
     compiled_before = compile_phases()
+    if clock is not None:
+        clock.reset()
     start = time.perf_counter()
     try:
         prompt_id = uuid.uuid4().hex
@@ -556,18 +605,21 @@ def run_prompt(execution, executor, graph: dict, nvml: NvmlPeak | None = None) -
                        nodes_peak_gib=node_peaks(executor.server.started, peaks, graph))
         row.update(nvml.row() if nvml is not None else {}, loads=dict(notes.loads), patchers=loaded_patchers())
         row.update(dict(compile_s=compiled) if (compiled := compile_seconds(compiled_before)) else {})
+        row.update(clock.row() if clock is not None else {})
         return row
     finally:
         logging.getLogger().removeHandler(notes)
 
 
-def copied_bytes(run) -> tuple[dict, dict[str, int]]:
+def copied_bytes(run, keep_trace: Path | None = None) -> tuple[dict, dict[str, int]]:
     """``run()``'s row, and the bytes CUDA copied between host and device while it ran, by direction (``HtoD``,
     ``DtoH``; ``DtoD`` apart), from the torch profiler's memcpy events (their ``bytes`` in the Kineto trace): every
     copy, weights and latents alike, whichever path made it (core's loads and casts, the pack's, torchao's). Beside
     them, per direction, the bytes that crossed from or to pageable host memory (``HtoD pageable``: CUDA stages
     those through a buffer of its own, and the copy blocks the host) and how many copies they were, and the copies'
-    time on the GPU (``HtoD us``)."""
+    time on the GPU (``HtoD us``); and how long the GPU ran kernels or copies at all (``GPU busy us``). With
+    ``keep_trace``, the profiler's trace is kept there, gzipped (chrome://tracing or Perfetto read it)."""
+    import gzip
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -577,7 +629,15 @@ def copied_bytes(run) -> tuple[dict, dict[str, int]]:
     moved: dict[str, int] = Counter()
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         profiler.export_chrome_trace(trace.name)
-        events = json.loads(Path(trace.name).read_text()).get("traceEvents", [])
+        text = Path(trace.name).read_text()
+    if keep_trace is not None:
+        keep_trace.parent.mkdir(parents=True, exist_ok=True)
+        with gzip.open(keep_trace, "wt") as kept:
+            kept.write(text)
+    events = json.loads(text).get("traceEvents", [])
+    busy = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e)
+    moved["GPU busy us"] = _union_length(busy)  # beside the run's seconds: how much of it the GPU had work
     for event in events:
         if event.get("cat") == "gpu_memcpy":
             name = event.get("name", "")
@@ -589,6 +649,16 @@ def copied_bytes(run) -> tuple[dict, dict[str, int]]:
                 moved[f"{direction} pageable"] += size
                 moved[f"{direction} pageable copies"] += 1  # their mean size tells a LoRA factor from a layer
     return row, dict(moved)
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> int:
+    """The length the sorted ``intervals`` cover together (overlaps once)."""
+    covered, end = 0.0, float("-inf")
+    for start, stop in intervals:
+        if stop > end:
+            covered += stop - max(start, end)
+            end = stop
+    return int(covered)
 
 
 def allocations_at_peak(run, device: int = 0) -> tuple[object, dict]:
@@ -742,6 +812,8 @@ def main() -> None:
                         "profiler: the bytes copied host <-> GPU (its time is not a warm time)")
     parser.add_argument("--allocations", action="store_true", help="one more warm run per workflow under torch's "
                         "memory history: what was allocated at its peak, by the line that allocated it")
+    parser.add_argument("--trace-dir", type=Path, help="with --copies: keep the profiled prompt's trace there, "
+                        "<workflow>.json.gz")
     parser.add_argument("--vae-patcher", choices=("core", "classic"), default="core",
                         help="classic: core's VAE on the classic patcher (the fork only: classic_vae)")
     options = parser.parse_args()
@@ -762,6 +834,7 @@ def main() -> None:
                  torch=torch.__version__, core=core, **dynamic_vram_state())
     print(f"== core {core}: {facts}", flush=True)
     nvml = NvmlPeak()
+    clock = CoreClock()
     out = options.json.open("a")
 
     def record(workflow: str, run: str, row: dict) -> None:
@@ -774,7 +847,7 @@ def main() -> None:
     collection = ServerCollection()
 
     def prompt(graph: dict) -> dict:
-        row = run_prompt(execution, executor, graph, nvml)
+        row = run_prompt(execution, executor, graph, nvml, clock)
         collection.after_prompt()
         return row
 
@@ -796,7 +869,8 @@ def main() -> None:
                     turbo, len(labels), options.pe_tokens, options.size, options.base_steps)))
         if options.copies and torch.cuda.is_available():
             profiled = variant(graph, len(labels) + 1, options.pe_tokens, options.size, options.base_steps)
-            row, moved = copied_bytes(functools.partial(run_prompt, execution, executor, profiled))
+            trace = options.trace_dir / f"{path.stem}.json.gz" if options.trace_dir else None
+            row, moved = copied_bytes(functools.partial(run_prompt, execution, executor, profiled, clock=clock), trace)
             record(path.stem, "copies", dict(row, copied_bytes=moved))
             collection.after_prompt()
         if options.allocations and torch.cuda.is_available():

@@ -284,6 +284,7 @@ def _run_worker(mode: str, args, models: Path, log, deadline: float, workflows: 
     command += ["--base-steps", str(args.base_steps)] if args.base_steps else []
     command += ["--copies"] if args.copies else []
     command += ["--allocations"] if args.allocations else []
+    command += ["--trace-dir", str(args.out / f"trace-{mode}")] if args.trace else []
     command += ["--vae-patcher", args.vae_patcher] if args.core == "fork" else []
     if args.cold_disk:
         evicted = evict_page_cache(models)
@@ -426,6 +427,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "profiler: bytes copied host <-> GPU per warm prompt")
     parser.add_argument("--allocations", action="store_true", help="one more warm run per workflow under torch's "
                         "memory history: what was allocated at its peak (the native allocator: emulated cards)")
+    parser.add_argument("--trace", action="store_true", help="with --copies: keep the profiled prompt's torch "
+                        "trace, OUT/trace-<mode>/<workflow>.json.gz")
     parser.add_argument("--cold-disk", action="store_true", help="drop the model files from the page cache before "
                         "each process (first runs as after a reboot)")
     parser.add_argument("--pack", type=Path, default=REPO, help="the pack to install, and its tests/workflows twins "
