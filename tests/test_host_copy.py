@@ -203,30 +203,50 @@ def _gguf_layer() -> tuple[GGUFLinear, torch.Tensor]:
     return layer, blocks
 
 
-def _unloaded_by_copy(layer: GGUFLinear, blocks: torch.Tensor) -> None:
+def _unloaded_by_copy(layer: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Core's first unload of ``layer``: a copy from the GPU, the step the meta device cannot give (new parameters
     as torch's move from meta makes them)."""
-    layer.weight = torch.nn.Parameter(blocks.clone(), requires_grad=False)
-    layer.bias = torch.nn.Parameter(torch.zeros(64), requires_grad=False)
+    for name, tensor in tensors.items():
+        setattr(layer, name, torch.nn.Parameter(tensor.clone(), requires_grad=False))
 
 
-def test_a_gguf_layer_core_loads_again_keeps_its_blocks_host_copy_and_unloads_without_a_copy():
-    """A GGUF layer core moves to the host and back each prompt (its part of a partial unload before the decode on
-    a small card) keeps its blocks' host copy from its second load on; later unloads point at it (from the meta
-    device nothing could be copied back). On main every unload copied the blocks back."""
-    layer, blocks = _gguf_layer()
+def _gguf_dit_layers() -> dict[str, torch.nn.Module]:
+    """A GGUF DiT's kinds of layer (``GGUFOperations``): one holding GGUF blocks, a linear layer with a plain weight
+    (the file's F16 layers), a norm and the patch embedding's convolution."""
+    torch.manual_seed(0)
+    plain = gguf_layers.GGUFLinear(32, 16)
+    norm = gguf_layers.GGUFOperations.RMSNorm(64, eps=1e-6)
+    conv = gguf_layers.GGUFOperations.Conv2d(4, 8, 2, stride=2)
+    for layer in (plain, norm, conv):
+        for parameter in layer.parameters():
+            torch.nn.init.normal_(parameter)
+    return dict(gguf=_gguf_layer()[0], plain_linear=plain, norm=norm, conv=conv)
+
+
+@pytest.mark.parametrize("kind", ["gguf", "plain_linear", "norm", "conv"])
+def test_a_gguf_dits_layer_core_loads_again_keeps_its_host_copy_and_unloads_without_a_copy(kind):
+    """A layer of a GGUF DiT that core moves to the host and back each prompt (its part of a partial unload before
+    the decode on a small card: core unloads the smallest layers first, the norms and plain layers) keeps its host
+    copy from its second load on; later unloads point at it (from the meta device nothing could be copied back).
+    Before ``KeepsHostCopy`` only the layers holding GGUF blocks did (the norms' and plain layers' 105 MB were
+    copied back and forth at the pageable rate each prompt on an 8 GB card with a LoRA, bench/RESULTS.md)."""
+    layer = _gguf_dit_layers()[kind]
+    tensors = {name: p.detach().clone() for name, p in layer.named_parameters()}
     layer.to(GPU)  # its first load: a layer that stays loaded keeps nothing
     with pytest.raises(NotImplementedError, match="meta"):
         layer.to(CPU)
-    _unloaded_by_copy(layer, blocks)
+    _unloaded_by_copy(layer, tensors)
     held = []
     for _ in range(2):
-        layer.to(GPU)  # loaded again: its host blocks are kept
-        assert layer.weight.device == GPU
+        layer.to(GPU)  # loaded again: its host tensors are kept
+        assert all(p.device == GPU for p in layer.parameters())
         layer.to(CPU)  # nothing copied: from the meta device nothing could be
-        assert torch.equal(layer.weight, blocks) and layer.gguf_shape == (64, 256)
-        held.append(layer.weight.data_ptr())
-    assert held[0] == held[1] == host_copy.kept_tensor(layer, "weight").data_ptr()
+        for name, p in layer.named_parameters():
+            assert torch.equal(p, tensors[name]), name
+        held.append({name: p.data_ptr() for name, p in layer.named_parameters()})
+    assert held[0] == held[1] == {name: host_copy.kept_tensor(layer, name).data_ptr() for name in tensors}
+    if kind == "gguf":
+        assert layer.gguf_shape == (64, 256)
 
 
 def test_a_gguf_layer_keeps_no_copy_when_the_host_ram_is_the_systems_fault_injected(monkeypatch):
@@ -235,7 +255,7 @@ def test_a_gguf_layer_keeps_no_copy_when_the_host_ram_is_the_systems_fault_injec
     monkeypatch.setattr(host_copy, "spare_host_memory", lambda: -1)
     layer, blocks = _gguf_layer()
     layer.to(GPU)
-    _unloaded_by_copy(layer, blocks)
+    _unloaded_by_copy(layer, dict(weight=blocks, bias=torch.zeros(64)))
     layer.to(GPU)
     assert host_copy.kept_tensor(layer, "weight") is None
     with pytest.raises(NotImplementedError, match="meta"):
@@ -246,10 +266,10 @@ def test_a_gguf_layer_keeps_no_copy_when_the_host_ram_is_the_systems_fault_injec
 def test_on_a_gpu_a_gguf_dit_with_a_lora_core_unloads_in_part_reloads_pinned_without_copies_back(tmp_path,
                                                                                                 monkeypatch):
     """Core's own ``partially_unload`` and ``partially_load`` (what it does around the VAE's decode on a small card),
-    four prompts: the layers it moves hold pinned host blocks from their second load on, a LoRA-patched one from its
-    third (core's backup of it holds the blocks it loaded before until then); from then on every unload leaves each
-    moved layer on the same host memory (no copy back); the LoRA's factors come from pinned copies; the blocks stay
-    the file's."""
+    four prompts: the layers it moves hold pinned host tensors (blocks, norms, plain weights) from their second load
+    on, a LoRA-patched GGUF layer from its third (core's backup of it holds the blocks it loaded before until then);
+    from then on every unload leaves each moved layer on the same host memory (no copy back); the LoRA's factors
+    come from pinned copies; the blocks stay the file's."""
     monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", int(0.95 * psutil.virtual_memory().total))
     cuda = torch.device("cuda")
     model = load_gguf_dit(write_gguf(tmp_path / "dit.gguf", tiny_dit_state(), mixed_kind), torch.float32)
@@ -260,18 +280,25 @@ def test_on_a_gpu_a_gguf_dit_with_a_lora_core_unloads_in_part_reloads_pinned_wit
     assert report.applied == len(lora_helpers.LAYERS), report.text()
     patcher.load(cuda, full_load=True)
     held = []
+    dit = patcher.model.diffusion_model
     for _ in range(4):
         freed = patcher.partially_unload(CPU, patcher.model_size())  # every layer core can move
         assert freed > 0
-        layers = {name: layer for name, layer in patcher.model.diffusion_model.named_modules() if name in blocks}
-        assert all(layer.weight.device == CPU for layer in layers.values())
-        held.append({name: layer.weight.data_ptr() for name, layer in layers.items()})
+        layers = {name: layer for name, layer in dit.named_modules() if name in blocks}
+        assert all(p.device == CPU for p in dit.parameters())
+        held.append({name: p.data_ptr() for name, p in dit.named_parameters()})
         patcher.partially_load(cuda, extra_memory=patcher.model_size())
-        assert all(layer.weight.is_cuda for layer in layers.values())
-    assert held[2] == held[3]
+        assert all(p.is_cuda for p in dit.parameters())
+    assert held[2] == held[3]  # every layer: the blocks, and the norms and plain weights beside them
     for name, layer in layers.items():
         kept = host_copy.kept_tensor(layer, "weight")
         assert kept is not None and kept.is_pinned() and torch.equal(kept, blocks[name]), name
+    patched_plain = {key.removeprefix("diffusion_model.") for key in patcher.patches
+                     if key.removeprefix("diffusion_model.").rpartition(".")[0] not in blocks}
+    patcher.partially_unload(CPU, patcher.model_size())
+    unpinned = [name for name, p in dit.named_parameters() if not p.is_pinned() and name not in patched_plain]
+    assert not unpinned  # a patched plain weight is core's backup: core patches it anew at each load
+    patcher.partially_load(cuda, extra_memory=patcher.model_size())
     for name in lora_helpers.LAYERS:
         factors = getattr(layers[name].weight, gguf_layers.FACTORS)
         assert all(t.is_cuda for f in factors for t in f[:2]), name

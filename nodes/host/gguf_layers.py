@@ -8,7 +8,8 @@ true shape), so that core's model management moves, pins, sizes and streams them
 - **Partial loading**: the layers are ``comfy.ops`` layers, so where the card is too small, core leaves some of them
   on the offload device (``ModelPatcher.load(lowvram_model_memory=…)``); their blocks travel to the GPU at each call
   and are decoded there: 4.5 bits a weight cross the bus instead of 16. A layer core unloads for another model's
-  room and loads again each prompt keeps its blocks' host copy, pinned (``host_copy.before_layer_move``).
+  room and loads again each prompt keeps its host copy, pinned (``KeepsHostCopy``): its blocks, and the norms and
+  plain weights of the layers beside them.
 - **LoRA**: core's patches reach a decoded weight two ways. A layer core loaded whole gets its patches through
   ``patch_weight_to_device``, which ``GGUFModelPatcher`` turns into a new parameter over the same blocks carrying
   the patches, the original kept as core's backup: every way core restores a weight (unpatching, partial unloading)
@@ -98,7 +99,21 @@ def _moves_to(fn) -> torch.device | None:
         return device
 
 
-class GGUFLinear(comfy.ops.disable_weight_init.Linear):
+class KeepsHostCopy:
+    """A layer of a GGUF DiT whose host tensors never change (blocks, norms, plain weights read from the file: a LoRA
+    is added beside the blocks, and core patches a plain weight into a new tensor on the device, its original in
+    core's backup). A move between the host and the GPU keeps the layer's host copy once core has moved it back and
+    forth (``host_copy.before_layer_move``): core unloads the smallest layers first, so the norms and plain layers
+    are most of what a partial unload before the decode copies at the pageable rate."""
+
+    def _apply(self, fn, *args, **kwargs):
+        device = _moves_to(fn)
+        if device is not None and any(p.device != device for p in self.parameters(recurse=False)):
+            host_copy.before_layer_move(self, device)
+        return super()._apply(fn, *args, **kwargs)
+
+
+class GGUFLinear(KeepsHostCopy, comfy.ops.disable_weight_init.Linear):
     """A linear layer of core's whose weight may be GGUF blocks (``hold``); with a plain weight it is core's."""
 
     gguf_type: str | None = None  # the weight's GGUF type ("Q4_K"); None: a plain weight
@@ -133,11 +148,7 @@ class GGUFLinear(comfy.ops.disable_weight_init.Linear):
     def _apply(self, fn, *args, **kwargs):
         """``Module._apply`` (``.to()``, as core moves a layer), keeping the patches on the weight: torch keeps the
         parameter object only where the devices' tensors are alike (CPU and CUDA, not ``meta``; and not with
-        ``torch.__future__``'s overwrite of parameters on conversion). A move between the host and the GPU keeps
-        the blocks' host copy once core has moved the layer back and forth (``host_copy.before_layer_move``)."""
-        device = _moves_to(fn) if self.gguf_type is not None else None
-        if device is not None and device != self.weight.device:
-            host_copy.before_layer_move(self, device)
+        ``torch.__future__``'s overwrite of parameters on conversion)."""
         carried = {name: getattr(self.weight, name) for name in (PATCHES, FACTORS) if hasattr(self.weight, name)}
         module = super()._apply(fn, *args, **kwargs)
         for name, value in carried.items():
@@ -161,9 +172,16 @@ class GGUFLinear(comfy.ops.disable_weight_init.Linear):
 
 
 class GGUFOperations(comfy.ops.disable_weight_init):
-    """Core's layers as for weights held as computed, with linear layers that may hold GGUF blocks."""
+    """Core's layers as for weights held as computed, with linear layers that may hold GGUF blocks; every layer
+    keeps its host copy once core moves it back and forth (``KeepsHostCopy``)."""
 
     Linear = GGUFLinear
+
+    class Conv2d(KeepsHostCopy, comfy.ops.disable_weight_init.Conv2d):
+        pass
+
+    class RMSNorm(KeepsHostCopy, comfy.ops.disable_weight_init.RMSNorm):
+        pass
 
 
 def weight_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
