@@ -9,7 +9,8 @@ core has unloaded one of them (it is loaded per prompt), its host tensors stay: 
 (``model_management.pin_memory``), the next load copies from them at the pinned rate, and each later unload points
 the weights at them again instead of copying back. A model core never unloads keeps no second copy, nor does one
 while the host RAM left is what the pack leaves to the system (``memory.spare_host_memory``). A GGUF DiT, which core
-loads in part, does this per layer (``before_layer_move``): its blocks never change either.
+loads in part, does this per layer (``before_layer_move``): its blocks, norms and plain weights never change
+either.
 
 torchao's weights are tensor subclasses: their inner tensors are what is copied and pinned, and the weight is made
 again around them (``__tensor_unflatten__``, as torch's tracing does).
@@ -105,8 +106,9 @@ def before_load(model: torch.nn.Module) -> int:
 
 
 def before_layer_move(layer: torch.nn.Module, device: torch.device) -> None:
-    """Before core moves ``layer`` to ``device`` by itself: one layer of a model core loads in part, whose weights
-    never change (a GGUF layer's blocks: a LoRA is added beside them). Where core takes a layer's room for another
+    """Before core moves ``layer`` to ``device`` by itself: one layer of a model core loads in part, whose host
+    tensors never change (a GGUF DiT's layers: a LoRA is added beside the blocks, and core patches a plain weight
+    into a new tensor on the device). Where core takes a layer's room for another
     model and gives it back each prompt (``partially_unload`` before the VAE's decode on a small card, then a whole
     load for sampling), the layer keeps its host copy as a whole model does here: from its second load on, pinned,
     and its later unloads point at it instead of copying back (a LoRA-patched GGUF layer's unloads from its third:
