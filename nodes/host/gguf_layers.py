@@ -100,11 +100,12 @@ def _moves_to(fn) -> torch.device | None:
 
 
 class KeepsHostCopy:
-    """A layer of a GGUF DiT whose host tensors never change (blocks, norms, plain weights read from the file: a LoRA
-    is added beside the blocks, and core patches a plain weight into a new tensor on the device, its original in
-    core's backup). A move between the host and the GPU keeps the layer's host copy once core has moved it back and
-    forth (``host_copy.before_layer_move``): core unloads the smallest layers first, so the norms and plain layers
-    are most of what a partial unload before the decode copies at the pageable rate."""
+    """A layer of a GGUF DiT whose host tensors never change (blocks, norms, plain weights read from the file: a LoRA is
+    added beside the blocks, and core patches a plain weight into a new tensor on the device, its original in core's
+    backup, as the pack's patcher never patches in place: ``weight_inplace_update`` stays False). A move between the
+    host and the GPU keeps the layer's host copy once core has moved it back and forth
+    (``host_copy.before_layer_move``): core unloads the smallest layers first, so the norms and plain layers are most of
+    what a partial unload before the decode copies at the pageable rate."""
 
     def _apply(self, fn, *args, **kwargs):
         device = _moves_to(fn)
