@@ -46,8 +46,8 @@ import torch.nn.functional as F
 from ..gguf.dequant import dequantize
 from . import host_copy
 from .lora import plain_lora_factors
+from .patchers import CoreBackup
 
-_Backup = collections.namedtuple("Dimension", ["weight", "inplace_update"])  # core's backup record, as it makes them
 PATCHES = "gguf_patches"  # the attribute of a patched weight parameter: (core's patch list, its key)
 FACTORS = "gguf_lora_factors"  # the attribute of a patched weight parameter: its LoraFactors, on the device
 
@@ -256,7 +256,7 @@ class GGUFModelPatcher(comfy.model_patcher.ModelPatcher):
         # Outside inference mode: a parameter made inside it could not be moved to another device later.
         with torch.inference_mode(False):
             if key not in self.backup:
-                self.backup[key] = _Backup(layer.weight, False)
+                self.backup[key] = CoreBackup(layer.weight, False)
             original = self.backup[key].weight
             kept = host_copy.kept_tensor(layer, "weight")  # the same blocks, pinned: the copy core loaded before
             if kept is not None and original.device == kept.device and original.data_ptr() != kept.data_ptr():

@@ -106,15 +106,14 @@ def before_load(model: torch.nn.Module) -> int:
 
 
 def before_layer_move(layer: torch.nn.Module, device: torch.device) -> None:
-    """Before core moves ``layer`` to ``device`` by itself: one layer of a model core loads in part, whose host
-    tensors never change (a GGUF DiT's layers: a LoRA is added beside the blocks, and core patches a plain weight
-    into a new tensor on the device). Where core takes a layer's room for another
-    model and gives it back each prompt (``partially_unload`` before the VAE's decode on a small card, then a whole
-    load for sampling), the layer keeps its host copy as a whole model does here: from its second load on, pinned,
-    and its later unloads point at it instead of copying back (a LoRA-patched GGUF layer's unloads from its third:
-    until then core's backup of the weight holds the blocks it loaded before, ``GGUFModelPatcher``). A layer that
-    stays loaded keeps no second copy. Quiet (a model has hundreds of layers); where the host RAM left is the
-    system's, it moves as core moves it."""
+    """Before core moves ``layer`` to ``device`` by itself: one layer of a model core loads in part, whose host tensors
+    never change (a GGUF DiT's layers: a LoRA is added beside the blocks, and core patches a plain weight into a new
+    tensor on the device). Where core takes a layer's room for another model and gives it back each prompt
+    (``partially_unload`` before the VAE's decode on a small card, then a whole load for sampling), the layer keeps its
+    host copy as a whole model does here: from its second load on, pinned, and its later unloads point at it instead of
+    copying back (a LoRA-patched GGUF layer's unloads from its third: until then core's backup of the weight holds the
+    blocks it loaded before, ``GGUFModelPatcher``). A layer that stays loaded keeps no second copy. Quiet (a model has
+    hundreds of layers); where the host RAM left is the system's, it moves as core moves it."""
     if device.type == "cpu":
         before_unload(layer, device)
     elif layer not in _LOADED_ONCE:

@@ -138,7 +138,7 @@ def _outside_inference_mode(patcher_class: type) -> type:
     return type(patcher_class.__name__, (OutsideInferenceMode, patcher_class), {})
 
 
-_Backup = collections.namedtuple("Dimension", ["weight", "inplace_update"])  # core's backup record, as it makes them
+CoreBackup = collections.namedtuple("Dimension", ["weight", "inplace_update"])  # core's backup record, as it makes them
 
 
 class HostCopyPatcher(ModelPatcher):
@@ -221,7 +221,7 @@ class WholeModelPatcher(OutsideInferenceMode, HostCopyPatcher):
             return super().patch_weight_to_device(key, device_to, inplace_update, **kwargs)
         start = time.perf_counter()
         if key not in self.backup:
-            self.backup[key] = _Backup(weight.to(self.offload_device), False)
+            self.backup[key] = CoreBackup(weight.to(self.offload_device), False)
         original = requantizer.original(key.removeprefix("diffusion_model."))
         merged = comfy.lora.calculate_weight(self.patches[key], original.to(device_to or weight.device, torch.float32),
                                              key)
