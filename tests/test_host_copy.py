@@ -249,6 +249,41 @@ def test_a_gguf_dits_layer_core_loads_again_keeps_its_host_copy_and_unloads_with
         assert layer.gguf_shape == (64, 256)
 
 
+class _MoveRecorder(torch.nn.Module):
+    """A layer whose ``_apply`` records what ``gguf_layers._moves_to`` tells of each move torch asks of it."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(4, device=device), requires_grad=False)
+        self.told = []
+
+    def _apply(self, fn, *args, **kwargs):
+        self.told.append(gguf_layers._moves_to(fn, self))
+        return super()._apply(fn, *args, **kwargs)
+
+
+@pytest.mark.parametrize("device", [GPU, pytest.param(torch.device("cuda"), marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="a CUDA GPU (the H200 check runs it)"))], ids=["meta", "cuda"])
+def test_a_layers_move_is_told_by_where_it_takes_the_layers_tensors(device):
+    """``KeepsHostCopy`` acts on a move between the host and the device and on nothing else: a move to the device,
+    a move back to the host (told on a real GPU by a probe from the layer's own device, on the meta device by its
+    error), a dtype's change there, and a move to where the layer already is."""
+    layer = _MoveRecorder(CPU)
+    layer.to(CPU)
+    layer.to(device)
+    layer.half()
+    layer.float()
+    if device.type == "meta":
+        with pytest.raises(NotImplementedError, match="meta"):
+            layer.to(CPU)
+    else:
+        layer.to(CPU)
+        layer.to(CPU, torch.float16)
+    told = [None if d is None else d.type for d in layer.told]
+    assert told == [None, device.type, None, None, "cpu", None][:len(told)]
+    assert len(told) == (5 if device.type == "meta" else 6)
+
+
 def test_a_gguf_layer_keeps_no_copy_when_the_host_ram_is_the_systems_fault_injected(monkeypatch):
     """As for a whole model (``spare_host_memory`` answering below what the pack leaves to the system): the layer's
     unloads copy back as core copies (from the meta device they cannot)."""

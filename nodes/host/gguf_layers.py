@@ -86,16 +86,21 @@ def _every_op() -> None:
         hook()
 
 
-def _moves_to(fn) -> torch.device | None:
-    """The device ``Module._apply``'s ``fn`` moves tensors to (``.to(device)``), or None where it moves none (a
-    dtype's change), told by empty tensors: one on the host (which any move takes to its device), then one on the
-    meta device, which a move to a device with data cannot copy out of."""
+def _moves_to(fn, layer: torch.nn.Module) -> torch.device | None:
+    """The device ``Module._apply``'s ``fn`` moves ``layer``'s own tensors to (``.to(device)``), or None where it
+    moves none (a dtype's change, or a move to the host of a layer all there), told by empty tensors: one on the host,
+    which any move takes to its device; where that stays on the host, one on the device of a parameter elsewhere,
+    which only a move to the host brings back. Not a probe on the meta device for every layer: a move to the host
+    tells itself there by raising, 53 µs a layer against 4–5 µs, on a GGUF DiT's 600 layers at each unload."""
     device = fn(torch.empty(0, dtype=torch.uint8)).device
     if device.type != "cpu":
         return device
+    away = next((p.device for p in layer.parameters(recurse=False) if p.device.type != "cpu"), None)
+    if away is None:
+        return None
     try:
-        return None if fn(torch.empty(0, dtype=torch.uint8, device="meta")).is_meta else device
-    except NotImplementedError:  # "Cannot copy out of meta tensor": a move to the host
+        return device if fn(torch.empty(0, dtype=torch.uint8, device=away)).device.type == "cpu" else None
+    except NotImplementedError:  # "Cannot copy out of meta tensor": a move to the host (the CPU tests' GPU)
         return device
 
 
@@ -108,7 +113,7 @@ class KeepsHostCopy:
     what a partial unload before the decode copies at the pageable rate."""
 
     def _apply(self, fn, *args, **kwargs):
-        device = _moves_to(fn)
+        device = _moves_to(fn, self)
         if device is not None and any(p.device != device for p in self.parameters(recurse=False)):
             host_copy.before_layer_move(self, device)
         return super()._apply(fn, *args, **kwargs)
