@@ -47,14 +47,21 @@ def _operations(weights: dict[str, torch.Tensor], quantized: QuantLayers, precis
 @builds_weights
 def build_diffusion_model(state_dict: dict[str, torch.Tensor], config: dict, dtype: torch.dtype,
                           storage: torch.dtype | None = None, metadata: dict[str, str] | None = None,
-                          load_device: torch.device | None = None) -> ErnieImageDiffusionModel:
+                          load_device: torch.device | None = None, *,
+                          consume: bool = False) -> ErnieImageDiffusionModel:
     """The DiT with ``config``'s architecture holding ``state_dict``'s weights, computing in ``dtype``.
 
     ``storage``: the block linear layers' weights' dtype; None keeps an fp8 or quantized file's format, else
     ``dtype`` (resolved once, by ``Precision.resolve``; the DiT keeps the result as ``precision``). ``metadata``:
     the file's safetensors header metadata (0.3.75's quantization layout lives there).
-    ``load_device``: where ComfyUI will run it (core leaves out quantized formats its GPU has no kernels for)."""
+    ``load_device``: where ComfyUI will run it (core leaves out quantized formats its GPU has no kernels for).
+    ``consume``: ``state_dict`` is the caller's to give away (read from a file for this model alone); it is emptied,
+    so that each tensor read is released once cast: a DiT cast to fp8 storage holds one source tensor at a time
+    beside its weights, not the file's every page (the bf16 Turbo DiT on an 8 GB card: 14.2 GiB of mapped file
+    beside 10.6 GiB of the process's own at the first load, bench/RESULTS.md, 2026-12-06)."""
     weights, quantized = split_quantization(state_dict, metadata)
+    if consume:
+        state_dict.clear()  # ``weights`` holds what is built from
     precision = Precision.resolve(dtype, storage, weights)
     if quantized.layers and precision.unpacks:
         weights, quantized = fold_quantization(weights, quantized, precision.compute), QuantLayers()
@@ -71,7 +78,8 @@ def build_diffusion_model(state_dict: dict[str, torch.Tensor], config: dict, dty
             return value  # a quantized weight and its scales stay in their formats
         return value.to(precision.storage if key in block_linear else precision.compute)
 
-    tensors = {k: cast(k, v) for k, v in tensors.items()}
+    del weights  # ``tensors`` holds what is built from
+    tensors = {key: cast(key, tensors.pop(key)) for key in list(tensors)}  # a source tensor released once cast
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     missing = [k for k in missing if not k.endswith(SCALE)]  # a scaled layer the file holds no scale for: 1 below
     if missing or unexpected:
@@ -92,7 +100,8 @@ def load_dit(path: Path, dtype: torch.dtype, storage: torch.dtype | None = None,
              load_device: torch.device | None = None) -> ErnieImageDiffusionModel:
     """The DiT from a snapshot folder, its ``transformer/`` folder or a single file."""
     folder = dit_folder(path)
-    dit = build_diffusion_model(*read_dit(path, dtype), dtype, storage, header_metadata(folder), load_device)
+    state_dict, config = read_dit(path, dtype)
+    dit = build_diffusion_model(state_dict, config, dtype, storage, header_metadata(folder), load_device, consume=True)
     dit.source = str(path)
     return dit
 
