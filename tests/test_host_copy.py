@@ -267,10 +267,11 @@ class _MoveRecorder(torch.nn.Module):
 def test_a_layers_move_is_told_by_where_it_takes_the_layers_tensors(device):
     """``KeepsHostCopy`` acts on a move between the host and the device and on nothing else: a move to the device,
     a move back to the host (told on a real GPU by a probe from the layer's own device, on the meta device by its
-    error), a dtype's change there, and a move to where the layer already is."""
+    error), and neither a dtype's change there nor a move to where the layer already is."""
     layer = _MoveRecorder(CPU)
     layer.to(CPU)
     layer.to(device)
+    layer.to(device)  # already there
     layer.half()
     layer.float()
     if device.type == "meta":
@@ -280,8 +281,8 @@ def test_a_layers_move_is_told_by_where_it_takes_the_layers_tensors(device):
         layer.to(CPU)
         layer.to(CPU, torch.float16)
     told = [None if d is None else d.type for d in layer.told]
-    assert told == [None, device.type, None, None, "cpu", None][:len(told)]
-    assert len(told) == (5 if device.type == "meta" else 6)
+    assert told == [None, device.type, None, None, None, "cpu", None][:len(told)]
+    assert len(told) == (6 if device.type == "meta" else 7)
 
 
 def test_a_gguf_layer_keeps_no_copy_when_the_host_ram_is_the_systems_fault_injected(monkeypatch):

@@ -88,14 +88,14 @@ def _every_op() -> None:
 
 def _moves_to(fn, layer: torch.nn.Module) -> torch.device | None:
     """The device ``Module._apply``'s ``fn`` moves ``layer``'s own tensors to (``.to(device)``), or None where it
-    moves none (a dtype's change, or a move to the host of a layer all there), told by empty tensors: one on the host,
-    which any move takes to its device; where that stays on the host, one on the device of a parameter elsewhere,
-    which only a move to the host brings back. Not a probe on the meta device for every layer: a move to the host
-    tells itself there by raising, 25 µs a layer against 4.2 on the H100 machine's CPU (bench/RESULTS.md,
+    moves none (a dtype's change, or a move to where the layer's tensors all are), told by empty tensors: one on the
+    host, which any move takes to its device; where that stays on the host, one on the device of a parameter
+    elsewhere, which only a move to the host brings back. Not a probe on the meta device for every layer: a move to
+    the host tells itself there by raising, 25 µs a layer against 4.2 on the H100 machine's CPU (bench/RESULTS.md,
     2026-12-06), on a GGUF DiT's 600 layers at each unload."""
     device = fn(torch.empty(0, dtype=torch.uint8)).device
     if device.type != "cpu":
-        return device
+        return device if any(p.device != device for p in layer.parameters(recurse=False)) else None
     away = next((p.device for p in layer.parameters(recurse=False) if p.device.type != "cpu"), None)
     if away is None:
         return None
@@ -115,7 +115,7 @@ class KeepsHostCopy:
 
     def _apply(self, fn, *args, **kwargs):
         device = _moves_to(fn, self)
-        if device is not None and any(p.device != device for p in self.parameters(recurse=False)):
+        if device is not None:
             host_copy.before_layer_move(self, device)
         return super()._apply(fn, *args, **kwargs)
 
