@@ -167,6 +167,32 @@ def test_cards_that_cannot_be_emulated_are_refused_before_anything_runs(capsys):
         assert f"--modes: {words}" in capsys.readouterr().err
 
 
+def test_held_modes_leave_that_much_of_the_gpu_free_one_mode_at_a_time_on_a_gpu(capsys, tmp_path):
+    """``held<GiB>``: ComfyUI's default flags on the whole GPU (no emulation in its process) while another process
+    holds the rest; refused with modes at once or on the CPU, where the holder would take the others' memory or
+    cannot run. On this machine, without CUDA, the holder's own failure comes back as an error, not a hang."""
+    import pytest
+
+    from checks.gpu.ballast import GIB, bytes_to_hold
+    from checks.gpu.gpu_e2e import BallastError, ballast, held_gib, mode_settings, parse_args
+
+    args = parse_args(["--modes", "held8,card8,held10.5"])
+    assert [mode_settings(m) for m in args.modes] == [("", 8.0), ("--disable-cuda-malloc", 8.0), ("", 10.5)]
+    assert [held_gib(m) for m in args.modes] == [8.0, None, 10.5]
+    for extra in (["--parallel", "2"], ["--cpu"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--modes", "default,held8", *extra])
+        assert "--modes held8: another process holds the GPU's memory" in capsys.readouterr().err
+    assert bytes_to_hold(20 * GIB, 8) == 12 * GIB
+    with pytest.raises(ValueError, match="the GPU has 7.5 GiB free, not more than the 8 GiB to leave free"):
+        bytes_to_hold(int(7.5 * GIB), 8)
+    with (tmp_path / "e2e-held8.log").open("w") as log:
+        with pytest.raises(BallastError, match="could not hold the GPU's memory: see .*e2e-held8.log"):
+            with ballast(8.0, log):
+                pass
+    assert "Traceback" in (tmp_path / "e2e-held8.log").read_text()  # the holder's own error, in the mode's log
+
+
 def test_the_plan_line_is_read_for_its_plan_and_predicted_warm_time():
     from checks.gpu.e2e_sweep import parse_plan
 

@@ -97,6 +97,7 @@ def sweep_row(runs: list[dict]) -> str:
     plans = [plan for r in runs for plan in r.get("plans", [])]
     plan = parse_plan(plans[-1]) if plans else None  # the last: a plan made again (a retry) replaces the first
     where = f"{card:g}" if card is not None else f"{mode} (whole GPU)"
+    where += " free (the rest held)" if mode.startswith("held") else ""
     if plan is not None:
         where += f" ({plan['usable_gib']:g} usable)"
     plan_text = plan["plan"] if plan else ("unread: " + plans[-1][:200] if plans else "no plan")

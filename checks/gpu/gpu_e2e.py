@@ -33,6 +33,10 @@ also written to ``sweep.md``): per card size and workflow, the pack's logged pla
 the measured median and spread, the first run, the bytes copied host <-> GPU in one warm prompt (``--copies``), the
 peaks and host RAM, and how many lines about out-of-memory, retries or fallbacks were logged.
 
+``held<GiB>`` modes (``--modes held8``) run on the whole GPU while another process holds all its free memory but
+that many GiB (``ballast.py``): a display and other programs' memory as every reader of the device sees it, comfy-aimdo
+included (an emulated card does not bound aimdo). They run one at a time (``--parallel 1``) and not with ``--cpu``.
+
 ``--parallel N`` runs N modes at once, to fit the whole matrix into a lease: each mode still has its own process,
 memory limit and result (an emulated card counts this process's memory alone), but its times then include the other
 modes' use of the GPU, the bus, the CPUs and the disk.
@@ -41,6 +45,7 @@ modes' use of the GPU, the bus, the CPUs and the disk.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -49,7 +54,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -117,6 +122,9 @@ MODES = {
 # the weights it streams outside torch's allocator: the NVML and aimdo columns say whether the card still bounds them.
 CARD_MODE = re.compile(r"card(\d+(?:\.\d+)?)")
 CARD_FLAGS = "--disable-cuda-malloc"
+# ``held<GiB>`` modes: ComfyUI's default flags on the whole GPU, all its free memory but that many GiB held by another
+# process (``ballast.py``).
+HELD_MODE = re.compile(r"held(\d+(?:\.\d+)?)")
 SWEEP_WARM_RUNS = 5  # issue 43: warm = the median of 5 new prompts, their spread printed
 TIERS = {"quick": ["default"], "full": ["default", "lowvram", "novram", "card24", "card16"]}
 
@@ -129,13 +137,47 @@ def _card_gib(size: float) -> float:
 
 
 def mode_settings(mode: str) -> tuple[str, float | None]:
-    """A mode's ComfyUI flags and the card GiB it emulates (None: the whole GPU); ValueError for an unknown mode."""
+    """A mode's ComfyUI flags and the card GiB it emulates or leaves free (None: the whole GPU); ValueError for an
+    unknown mode."""
     if mode in MODES:
         return MODES[mode], None
+    held = HELD_MODE.fullmatch(mode)
+    if held is not None:
+        return MODES["default"], _card_gib(float(held[1]))
     card = CARD_MODE.fullmatch(mode)
     if card is None:
-        raise ValueError(f"unknown mode {mode[:40]!r}: one of {', '.join(MODES)}, or card<GiB> (card8, card10.5)")
+        raise ValueError(f"unknown mode {mode[:40]!r}: one of {', '.join(MODES)}, card<GiB> (card8, card10.5) or "
+                         "held<GiB> (held8)")
     return CARD_FLAGS, _card_gib(float(card[1]))
+
+
+def held_gib(mode: str) -> float | None:
+    """The GiB a ``held<GiB>`` mode leaves free (None: another mode)."""
+    return mode_settings(mode)[1] if HELD_MODE.fullmatch(mode) else None
+
+
+class BallastError(RuntimeError):
+    """The process that was to hold the GPU's memory did not (no CUDA, less free than the mode leaves)."""
+
+
+@contextlib.contextmanager
+def ballast(keep_gib: float | None, log) -> Iterator[None]:
+    """Another process holding all the GPU's free memory but ``keep_gib`` GiB while the block runs (None: nothing)."""
+    if keep_gib is None:
+        yield
+        return
+    holder = subprocess.Popen([sys.executable, str(REPO / "checks" / "gpu" / "ballast.py"), f"{keep_gib:g}"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        said = holder.stdout.readline().strip()
+        if not said.startswith("held"):
+            raise BallastError(f"the ballast could not hold the GPU's memory: see {log.name}")
+        log.write(f"ballast: {said}\n")
+        log.flush()
+        yield
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
 
 
 def card_mode(size: float) -> str:
@@ -279,7 +321,7 @@ def _run_worker(mode: str, args, models: Path, log, deadline: float, workflows: 
                "--workflows", ",".join(str(twin_path(args, w)) for w in workflows),
                "--json", str(results), "--pe-tokens", str(args.pe_tokens), "--warm-runs", str(args.warm_runs)]
     command += ["--modes-at-once", str(args.parallel)]
-    command += ["--card-gib", str(card)] if card else []
+    command += ["--card-gib", str(card)] if card and held_gib(mode) is None else []
     command += ["--size", "256"] if args.tiny else []
     command += ["--base-steps", str(args.base_steps)] if args.base_steps else []
     command += ["--copies"] if args.copies else []
@@ -294,9 +336,12 @@ def _run_worker(mode: str, args, models: Path, log, deadline: float, workflows: 
     log.flush()
     timed_out = False
     try:
-        subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=max(deadline - time.time(), 1))
+        with ballast(held_gib(mode), log):
+            subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=max(deadline - time.time(), 1))
     except subprocess.TimeoutExpired:
         timed_out = True
+    except BallastError as error:
+        return [dict(mode=mode, card_gib=card, workflow="(process)", run="start", ok=False, error=str(error))]
     rows = [json.loads(line) for line in results.read_text().splitlines()] if results.is_file() else []
     results.unlink(missing_ok=True)  # the rows go into e2e.jsonl (few files come back from a lent machine)
     if timed_out or not rows:
@@ -397,8 +442,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tier's), ``warm_runs`` 5 for a sweep unless given."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tier", choices=list(TIERS), default="quick")
-    parser.add_argument("--modes", help=f"comma-separated, instead of the tier's ({', '.join(MODES)}, or card<GiB>: "
-                        "an emulated card, card8, card10.5)")
+    parser.add_argument("--modes", help=f"comma-separated, instead of the tier's ({', '.join(MODES)}, card<GiB>: "
+                        "an emulated card, card8, card10.5, or held<GiB>: the GPU with all but that much held by "
+                        "another process, held8)")
     parser.add_argument("--cards", type=card_sizes, default=[], help="emulated cards of these GiB, comma-separated "
                         "(6.5,10,11.2), run after --modes' modes (instead of the tier's), with the sweep table")
     parser.add_argument("--workflows", default=",".join(WORKFLOWS), help="comma-separated twin names")
@@ -452,6 +498,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             mode_settings(mode)
         except ValueError as error:
             parser.error(f"--modes: {error}")
+    held = [mode for mode in args.modes if held_gib(mode) is not None]
+    if held and (args.parallel > 1 or args.cpu):
+        parser.error(f"--modes {','.join(held)}: another process holds the GPU's memory in these modes, so they run "
+                     "on a GPU (not --cpu) and one mode at a time (--parallel 1)")
     if args.warm_runs is None:
         args.warm_runs = SWEEP_WARM_RUNS if args.cards else 1
     elif args.warm_runs < 1:
