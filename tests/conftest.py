@@ -77,6 +77,17 @@ def placed(tiny_models, comfy_paths):
 
 
 @pytest.fixture
+def loaded_models(monkeypatch) -> list:
+    """ComfyUI's list of loaded models, empty for this test (core reads the module's list at every call):
+    ``helpers.loaded.hold`` lists models in it."""
+    import comfy.model_management as mm
+
+    models: list = []
+    monkeypatch.setattr(mm, "current_loaded_models", models)
+    return models
+
+
+@pytest.fixture
 def cpu_workers(monkeypatch):
     """The switch that lets ERNIE-Image Parallel start its workers on the CPU (docs/ARCHITECTURE.md §7), for the
     parallel tests only."""

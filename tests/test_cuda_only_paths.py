@@ -7,31 +7,10 @@ from __future__ import annotations
 import gc
 import sys
 
-import comfy.model_management as mm
-import comfy.model_patcher
-import pytest
 import torch
 
 from comfyui_ernie_image.nodes.host import plan, probe
-
-CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def loaded_models(monkeypatch) -> list:
-    """ComfyUI's list of loaded models, empty for this test (core reads the module's list at every call)."""
-    models: list = []
-    monkeypatch.setattr(mm, "current_loaded_models", models)
-    return models
-
-
-def _hold(module: torch.nn.Module, loaded_models: list) -> comfy.model_patcher.ModelPatcher:
-    """``module`` loaded on the CPU device by core's own patcher and ``LoadedModel``, listed as core lists them."""
-    patcher = comfy.model_patcher.ModelPatcher(module, load_device=CPU, offload_device=CPU)
-    loaded = mm.LoadedModel(patcher)
-    loaded.model_load()
-    loaded_models.insert(0, loaded)
-    return patcher
+from helpers.loaded import CPU, hold
 
 
 def test_a_model_another_node_leaked_is_left_out_of_the_memory_models_hold_on_the_device(loaded_models):
@@ -39,8 +18,8 @@ def test_a_model_another_node_leaked_is_left_out_of_the_memory_models_hold_on_th
     warning): ``LoadedModel.model`` is then None, and core's ``free_memory`` skips it. The plan's count of what
     loaded models hold (on a GPU at every plan; here on the CPU device) read it and failed with AttributeError,
     outside the plan's own error handling: the loader node failed."""
-    live = _hold(torch.nn.Linear(64, 64), loaded_models)
-    leaked_patcher = _hold(torch.nn.Linear(32, 32), loaded_models)
+    live = hold(torch.nn.Linear(64, 64), loaded_models)
+    leaked_patcher = hold(torch.nn.Linear(32, 32), loaded_models)
     leaked_module = leaked_patcher.model  # another node keeps the module
     del leaked_patcher
     gc.collect()

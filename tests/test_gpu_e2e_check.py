@@ -18,6 +18,7 @@ from checks.gpu.e2e_models import write_gguf_dit
 from comfyui_ernie_image.nodes.dit.gguf import read_gguf_dit
 from comfyui_ernie_image.nodes.gguf.reader import read_gguf
 from conftest import REPO
+from helpers.loaded import hold
 
 
 def test_the_check_runs_the_workflows_through_comfyuis_executor(tmp_path):
@@ -399,6 +400,31 @@ def test_the_table_notes_more_models_of_a_kind_alive_than_a_workflow_uses():
     two = table([dict(row, run="warm", alive={"ErnieImageModel": 2, "TextEncoderModule": 1})])
     assert "alive after a collection" not in one
     assert "alive after a collection: 2 ErnieImageModel" in two
+
+
+def test_the_table_notes_a_first_prompt_that_began_with_memory_no_loaded_model_holds():
+    """Session 42: after ``ernie_image_turbo``, whose DiT torchao quantized at load, the next workflow's first node
+    began with 7.35 GiB allocated that no loaded model held (a reference cycle kept it until a collection). Models
+    ComfyUI still holds loaded (a workflow reusing the last one's loaders began with 11.4 GiB) are not noted."""
+    from checks.gpu.gpu_e2e import table
+
+    row = dict(mode="default", workflow="ernie_image_turbo_lora", ok=True, seconds=7.9, run="first")
+    assert "first prompt began with 7.35 GiB allocated that no loaded model holds" in table(
+        [dict(row, unowned_at_start_gib=7.35)])
+    assert "began with" not in table([dict(row, unowned_at_start_gib=0.03)]) + table([row])
+
+
+def test_the_worker_counts_what_loaded_models_hold_as_core_counts_it(loaded_models):
+    """The worker's count of loaded models' memory, taken off what is allocated as a prompt starts, reads core's
+    own list (here on the CPU device); a model whose patcher is gone counts nothing, as in core."""
+    import gc
+
+    from checks.gpu.e2e_worker import loaded_models_gib
+
+    live = hold(torch.nn.Linear(64, 64), loaded_models)
+    hold(torch.nn.Linear(32, 32), loaded_models)  # its patcher dropped at once
+    gc.collect()
+    assert loaded_models_gib() * 2**30 == live.loaded_size() == 64 * 64 * 4 + 64 * 4
 
 
 def test_a_runs_row_lists_the_compile_phases_it_waited_for_and_none_when_nothing_compiled():

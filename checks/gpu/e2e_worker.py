@@ -425,12 +425,24 @@ class _Server:
     def __init__(self):
         self.started: list[tuple[str, float]] = []
         self.peaks: list[tuple[float, float, float]] = []  # segment_peak() at each start, then at the end
+        self.unowned_at_start = 0.0  # GiB allocated as the prompt's first node started that no loaded model holds
 
     def send_sync(self, event, data, sid=None) -> None:
         if event == "executing" and data.get("node") is not None:
             _synchronize()
             self.peaks.append(segment_peak())
+            if not self.started:
+                self.unowned_at_start = self.peaks[-1][2] - loaded_models_gib()
             self.started.append((data["node"], time.perf_counter()))
+
+
+def loaded_models_gib() -> float:
+    """What the models core has loaded hold on the GPU, GiB (core's own count; a model whose patcher is gone counts
+    nothing, as core counts it)."""
+    import comfy.model_management as mm
+
+    return sum(float(loaded.model_loaded_memory()) for loaded in mm.current_loaded_models
+               if loaded.model is not None) / GIB
 
 
 def segment_peak() -> tuple[float, float, float]:
@@ -602,7 +614,8 @@ def run_prompt(execution, executor, graph: dict, nvml: NvmlPeak | None = None, c
             peaks.append(segment_peak())  # the last node's
             row.update(peak_allocated_gib=round(max(p[0] for p in peaks), 2),
                        peak_reserved_gib=round(max(p[1] for p in peaks), 2),
-                       nodes_peak_gib=node_peaks(executor.server.started, peaks, graph))
+                       nodes_peak_gib=node_peaks(executor.server.started, peaks, graph),
+                       unowned_at_start_gib=round(executor.server.unowned_at_start, 2))
         row.update(nvml.row() if nvml is not None else {}, loads=dict(notes.loads), patchers=loaded_patchers())
         row.update(dict(compile_s=compiled) if (compiled := compile_seconds(compiled_before)) else {})
         row.update(clock.row() if clock is not None else {})

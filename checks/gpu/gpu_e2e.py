@@ -386,6 +386,11 @@ def _loads(runs: list[dict]) -> str:
     return "loads " + "; ".join(parts) if parts else ""
 
 
+# What a prompt may find allocated that no loaded model holds and is no earlier workflow's model (latents,
+# conditionings, compiled kernels' workspaces).
+LEFT_OVER_GIB = 0.5
+
+
 def table(rows: list[dict], core: str = "0.3.75") -> str:
     """One line per mode and workflow: result, first-run and warm seconds, peak GiB (torch's allocated and
     reserved, NVML's whole device (this process), comfy-aimdo's own count), dynamic VRAM and the DiT's patcher,
@@ -422,6 +427,9 @@ def table(rows: list[dict], core: str = "0.3.75") -> str:
             notes.insert(0, f"allocated during a prompt at its peak: {peak['peak_gib']} GiB, reached by "
                          f"{peak['reached_by']}; largest: " + "; ".join(
                              f"{b['where']} {b['mib']} MiB" for b in peak["live"][:3]))
+        left = by_run.get("first", {}).get("unowned_at_start_gib", 0.0)
+        if left > LEFT_OVER_GIB:  # an earlier workflow's model ComfyUI dropped, held until a collection (a cycle)
+            notes.insert(0, f"first prompt began with {left:.2f} GiB allocated that no loaded model holds")
         extra = {name: n for r in runs for name, n in r.get("alive", {}).items() if n > 1}
         if extra:  # more of a kind alive after a collection than one workflow uses: a model kept that should go
             notes.insert(0, "alive after a collection: " + ", ".join(
