@@ -587,6 +587,7 @@ def run_prompt(execution, executor, graph: dict, nvml: NvmlPeak | None = None, c
             cuda = False
     executor.server.started.clear()
     executor.server.peaks.clear()
+    executor.server.unowned_at_start = 0.0
     compiled_before = compile_phases()
     if clock is not None:
         clock.reset()
