@@ -416,7 +416,8 @@ def test_the_table_notes_a_first_prompt_that_began_with_memory_no_loaded_model_h
 
 def test_the_worker_counts_what_loaded_models_hold_as_core_counts_it(loaded_models):
     """The worker's count of loaded models' memory, taken off what is allocated as a prompt starts, reads core's
-    own list (here on the CPU device); a model whose patcher is gone counts nothing, as in core."""
+    own list (here on the CPU device); a model whose patcher is gone counts nothing, as in core, nor one on another
+    device."""
     import gc
 
     from checks.gpu.e2e_worker import loaded_models_gib
@@ -424,7 +425,8 @@ def test_the_worker_counts_what_loaded_models_hold_as_core_counts_it(loaded_mode
     live = hold(torch.nn.Linear(64, 64), loaded_models)
     hold(torch.nn.Linear(32, 32), loaded_models)  # its patcher dropped at once
     gc.collect()
-    assert loaded_models_gib() * 2**30 == live.loaded_size() == 64 * 64 * 4 + 64 * 4
+    assert loaded_models_gib(torch.device("cpu")) * 2**30 == live.loaded_size() == 64 * 64 * 4 + 64 * 4
+    assert loaded_models_gib(torch.device("meta")) == 0
 
 
 def test_a_runs_row_lists_the_compile_phases_it_waited_for_and_none_when_nothing_compiled():

@@ -436,13 +436,15 @@ class _Server:
             self.started.append((data["node"], time.perf_counter()))
 
 
-def loaded_models_gib() -> float:
-    """What the models core has loaded hold on the GPU, GiB (core's own count; a model whose patcher is gone counts
-    nothing, as core counts it)."""
+def loaded_models_gib(device=None) -> float:
+    """What the models core has loaded hold on ``device`` (ComfyUI's, by default), GiB: core's own count; a model
+    whose patcher is gone counts nothing, as core counts it, nor one core placed elsewhere (a text encoder on the
+    CPU)."""
     import comfy.model_management as mm
 
+    device = device or mm.get_torch_device()
     return sum(float(loaded.model_loaded_memory()) for loaded in mm.current_loaded_models
-               if loaded.model is not None) / GIB
+               if loaded.model is not None and loaded.device == device) / GIB
 
 
 def segment_peak() -> tuple[float, float, float]:
