@@ -31,7 +31,7 @@ from ..errors import ErnieImageError
 from ..model_files import builds_weights
 from . import torchao_file
 from .capability import METHODS, probe, require
-from .requantize import Locations, Requantizer
+from .requantize import Locations, Requantizer, unbind_reprs
 from .saved import QUANT_CONFIG, SavedDiTs, non_finite
 
 _HEADROOM = 2 * 2**30  # GPU memory left for quantizing one layer beside the whole bf16 DiT
@@ -175,6 +175,7 @@ def quantize_torchao(transformer: torch.nn.Module, quant_type: str, on: torch.de
             check_cancel()  # one call of cache-dit's: seconds on the GPU
             quantize(transformer.to(on), config)
             transformer.to(home)
+        unbind_reprs(transformer)
     logging.info("ERNIE-Image: quantized the DiT to %s on %s%s in %.1f s", quant_type, on,
                  " one block at a time" if per_block else "", time.perf_counter() - start)
     return transformer

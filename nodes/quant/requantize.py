@@ -10,6 +10,7 @@ kept), and the patched result is quantized as the loader quantized the rest.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,20 @@ from ..quant_layout import SCALED_MARKER, QuantLayers, fold_quantization, split_
 # Each released key of the DiT's file(s) → (the file, the tensor's name there), and the header metadata: what
 # ``dit.weights.tensor_locations`` gives for the path the loader read (the loaders pass it in).
 Locations = tuple[dict[str, tuple[Path, str]], dict]
+
+
+def unbind_reprs(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` without the ``extra_repr`` that torchao's ``quantize_`` gives each layer it quantizes: a method
+    bound to the layer, kept in the layer's own ``__dict__``, so a reference cycle that keeps the layer and its
+    quantized weight alive after their last user until Python's garbage collection. ComfyUI's server collects at
+    most every 10 s, after a prompt (main.py ``prompt_worker``, 0.3.75 and upstream @02018c7e), so a DiT quantized
+    at load left 7.35 GiB allocated on the GPU into the next graph's first prompt, whose plan saw that much
+    less of the card (H100, bench/RESULTS.md session 42). The layer's class prints it instead."""
+    for layer in module.modules():
+        bound = vars(layer).get("extra_repr")
+        if isinstance(bound, types.MethodType) and bound.__self__ is layer:
+            del vars(layer)["extra_repr"]
+    return module
 
 
 @dataclass(frozen=True)
@@ -75,4 +90,4 @@ class Requantizer:
             linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         linear.weight = torch.nn.Parameter(weight.to(self.dtype), requires_grad=False)
         quantize_(linear, _get_torchao_config(self.quant_type))
-        return linear.weight
+        return unbind_reprs(linear).weight  # the layer, not kept, goes at once: not its weight with it later
