@@ -75,7 +75,8 @@ def fp8_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torc
             or torch.compiler.is_compiling()):
         return None
     try:
-        return launch(x.reshape(rows, x.shape[-1]), weight, scale).reshape(*x.shape[:-1], weight.shape[0])
+        with torch.cuda.device(x.device):  # Triton launches on the current device, which may be another GPU
+            return launch(x.reshape(rows, x.shape[-1]), weight, scale).reshape(*x.shape[:-1], weight.shape[0])
     except Exception as error:  # no Triton, no C compiler, a GPU it cannot build for: the plain path, as before
         _unavailable = True
         logging.warning("ERNIE-Image: fp8 layers decode by casting their weights (slower): the one-kernel product "
