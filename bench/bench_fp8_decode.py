@@ -6,7 +6,8 @@ A decode step reads every weight once for one row of activations, so its time is
 is 3x pe:bf16). Measured here, each replayed in a CUDA graph as the PE's decode is:
 
 - ``bf16``: ``F.linear`` on bf16 weights (the reference);
-- ``fp8_cast``: the pack's ``Fp8Linear`` (per-row scales);
+- ``fp8_cast``: the weight cast to bf16, then the matmul (``Fp8Linear``'s plain path; per-row scales);
+- ``fp8_linear``: the pack's ``Fp8Linear`` as it runs now (``fp8_gemv``'s kernel for up to 4 rows);
 - ``fp8_fused_compiled``: the same weights, the product written as a reduction that torch.compile fuses with the cast
   (one kernel reading 1 byte a weight; Triton casts fp8 on CUDA 8.9 and later);
 - ``fp8_triton``: a hand-written Triton GEMV over the fp8 bytes (read as integers and widened through fp16, which
@@ -21,6 +22,7 @@ weights, the largest difference from bf16 relative to bf16's largest output).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -101,7 +103,9 @@ def _layers(device: torch.device, generator: torch.Generator) -> list[dict]:
 def _ways(fused, gemv=None) -> dict:
     return {
         "bf16": lambda x, w: torch.nn.functional.linear(x, w["bf16"]),
-        "fp8_cast": lambda x, w: w["linear"](x),
+        "fp8_cast": lambda x, w: (torch.nn.functional.linear(x, w["fp8"].to(x.dtype))
+                                  * w["scale"].reshape(-1).to(x.dtype)),
+        "fp8_linear": lambda x, w: w["linear"](x),
         "fp8_fused_compiled": lambda x, w: fused(x, w["fp8"], w["scale"]),
         **{f"fp8_triton_{n}x{k}w{warps}": (lambda x, w, n=n, k=k, warps=warps:
                                             gemv(x, w["fp8"], w["scale"], n, k, warps))
@@ -120,13 +124,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--compiled", action="store_true", help="also the torch.compile reduction (compiles)")
+    parser.add_argument("--rows", default="1,4", help="rows of activations (prompts decoding together)")
     args = parser.parse_args()
     device = torch.device("cuda")
     generator = torch.Generator(device).manual_seed(0)
     layers = _layers(device, generator)
-    inputs = [torch.randn(1, w["bf16"].shape[1], generator=generator, device=device).bfloat16() for w in layers]
     weight_bytes = {"bf16": sum(w["bf16"].nbytes for w in layers)}
-    fp8_ways = ["fp8_cast", "fp8_fused_compiled", "fp8_scaled_mm"]
+    fp8_ways = ["fp8_cast", "fp8_linear", "fp8_fused_compiled", "fp8_scaled_mm"]
     fp8_ways += [f"fp8_triton_{n}x{k}w{w}" for n, k, w in TRITON_BLOCKS]
     weight_bytes.update(dict.fromkeys(fp8_ways, sum(w["fp8"].nbytes for w in layers)))
     weight_bytes["int8_pack"] = sum(w["int8"].nbytes for w in layers)
@@ -135,11 +139,13 @@ def main() -> None:
         gemv = _triton_gemv()
     except ImportError:
         gemv = None
-    reference = _step(_ways(fused)["bf16"], inputs, layers)
     rows = []
-    for name, way in _ways(fused, gemv).items():
+    for count, (name, way) in itertools.product(map(int, args.rows.split(",")), _ways(fused, gemv).items()):
         if name == "fp8_fused_compiled" and not args.compiled:
             continue
+        inputs = [torch.randn(count, w["bf16"].shape[1], generator=generator, device=device).bfloat16()
+                  for w in layers]
+        reference = _step(_ways(fused)["bf16"], inputs, layers)
         try:
             began = time.perf_counter()
             outputs = _step(way, inputs, layers)
@@ -162,10 +168,10 @@ def main() -> None:
             error = max(((c.float() - r.float()).abs().max() / r.float().abs().max()).item()
                         for c, r in zip(captured, reference, strict=True))
             del outputs
-            rows.append(dict(way=name, ms=round(ms, 3), gb_per_s=round(weight_bytes[name] / ms / 1e6, 1),
+            rows.append(dict(way=name, rows=count, ms=round(ms, 3), gb_per_s=round(weight_bytes[name] / ms / 1e6, 1),
                              rel_error=round(error, 4), first_s=round(first_s, 2)))
         except Exception as error:  # a way this GPU or torch cannot run: say so, measure the others
-            rows.append(dict(way=name, error=f"{type(error).__name__}: {str(error)[:200]}"))
+            rows.append(dict(way=name, rows=count, error=f"{type(error).__name__}: {str(error)[:200]}"))
         print(json.dumps(rows[-1]), flush=True)
     info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows)
     if args.out:
