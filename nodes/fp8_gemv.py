@@ -79,6 +79,7 @@ def fp8_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torc
             return launch(x.reshape(rows, x.shape[-1]), weight, scale).reshape(*x.shape[:-1], weight.shape[0])
     except Exception as error:  # no Triton, no C compiler, a GPU it cannot build for: the plain path, as before
         _unavailable = True
-        logging.warning("ERNIE-Image: fp8 layers decode by casting their weights (slower): the one-kernel product "
-                        "could not run here (%s: %s)", type(error).__name__, str(error)[:200])
+        hint = " (on Windows: pip install triton-windows)" if isinstance(error, ImportError) else ""
+        logging.warning("ERNIE-Image: fp8 layers decode by casting their weights, about 3x slower: the one-kernel "
+                        "product could not run here%s (%s: %s)", hint, type(error).__name__, str(error)[:200])
         return None
