@@ -80,6 +80,6 @@ def fp8_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torc
     except Exception as error:  # no Triton, no C compiler, a GPU it cannot build for: the plain path, as before
         _unavailable = True
         hint = " (on Windows: pip install triton-windows)" if isinstance(error, ImportError) else ""
-        logging.warning("ERNIE-Image: fp8 layers decode by casting their weights, about 3x slower: the one-kernel "
+        logging.warning("ERNIE-Image: fp8 layers decode by casting their weights (slower): the one-kernel "
                         "product could not run here%s (%s: %s)", hint, type(error).__name__, str(error)[:200])
         return None
