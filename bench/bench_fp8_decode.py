@@ -10,8 +10,8 @@ is 3x pe:bf16). Measured here, each replayed in a CUDA graph as the PE's decode 
 - ``fp8_linear``: the pack's ``Fp8Linear`` as it runs now (``fp8_gemv``'s kernel for up to 4 rows);
 - ``fp8_fused_compiled``: the same weights, the product written as a reduction that torch.compile fuses with the cast
   (one kernel reading 1 byte a weight; Triton casts fp8 on CUDA 8.9 and later);
-- ``fp8_triton``: a hand-written Triton GEMV over the fp8 bytes (read as integers and widened through fp16, which
-  any CUDA GPU Triton runs on can do), one kernel a linear;
+- ``fp8_triton_<n>x<k>``: the kernel of ``nodes/fp8_gemv.py`` (one a linear, the fp8 bytes read once and widened
+  through fp16's bits) with programs of n output rows stepping k inputs;
 - ``int8_pack``: ``torch._weight_int8pack_mm`` on int8 rows with bf16 scales (torch's own kernel, any CUDA GPU);
 - ``fp8_scaled_mm``: ``torch._scaled_mm`` with the activation row quantized to fp8 too (CUDA 8.9+).
 
@@ -31,10 +31,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nodes import fp8_gemv  # noqa: E402
 from nodes.fp8_linear import Fp8Linear, quantize_rows  # noqa: E402
 
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 3072, 9216, 26, 32, 8, 128
-TRITON_BLOCKS = [(16, 512, 4), (8, 1024, 4), (32, 256, 4), (16, 1024, 8), (4, 1024, 4)]
+TRITON_BLOCKS = [(4, 1024), (8, 1024), (16, 512), (32, 256), (2, 2048)]
 # One layer's linears (out, in): q, k, v, o, the stacked gate and up, down.
 SHAPES = [(HEADS * HEAD_DIM, HIDDEN), (KV_HEADS * HEAD_DIM, HIDDEN), (KV_HEADS * HEAD_DIM, HIDDEN),
           (HIDDEN, HEADS * HEAD_DIM), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
@@ -42,37 +43,6 @@ SHAPES = [(HEADS * HEAD_DIM, HIDDEN), (KV_HEADS * HEAD_DIM, HIDDEN), (KV_HEADS *
 
 def _fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (weight.to(x.dtype)[None] * x[:, None, :]).sum(-1, dtype=torch.float32).mul(scale.reshape(-1)).to(x.dtype)
-
-
-def _triton_gemv():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        row, block = tl.program_id(1), tl.program_id(0)
-        rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            bits = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
-                           other=0).to(tl.int16)
-            # e4m3 -> fp16 bits: sign to bit 15, exponent and mantissa to bits 7..13; the value is 2^-8 of the fp8's
-            half = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
-            x = tl.load(x_ptr + row * K + rk, mask=rk < K, other=0.0).to(tl.float32)
-            acc += tl.sum(half.to(tl.float32) * x[None, :], axis=1)
-        scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0) * 256.0
-        tl.store(out_ptr + row * N + rn, (acc * scale).to(tl.bfloat16), mask=rn < N)
-
-    def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int = 16, block_k: int = 512,
-             warps: int = 4) -> torch.Tensor:
-        rows, (n, k) = x.shape[0], weight.shape
-        out = torch.empty(rows, n, device=x.device, dtype=torch.bfloat16)
-        kernel[(triton.cdiv(n, block_n), rows)](x, weight.view(torch.uint8), scale.reshape(-1), out, n, k,
-                                                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
-        return out
-
-    return gemv
 
 
 def _scaled_mm(x: torch.Tensor, weight_t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -100,16 +70,15 @@ def _layers(device: torch.device, generator: torch.Generator) -> list[dict]:
     return layers
 
 
-def _ways(fused, gemv=None) -> dict:
+def _ways(fused) -> dict:
     return {
         "bf16": lambda x, w: torch.nn.functional.linear(x, w["bf16"]),
         "fp8_cast": lambda x, w: (torch.nn.functional.linear(x, w["fp8"].to(x.dtype))
                                   * w["scale"].reshape(-1).to(x.dtype)),
         "fp8_linear": lambda x, w: w["linear"](x),
         "fp8_fused_compiled": lambda x, w: fused(x, w["fp8"], w["scale"]),
-        **{f"fp8_triton_{n}x{k}w{warps}": (lambda x, w, n=n, k=k, warps=warps:
-                                            gemv(x, w["fp8"], w["scale"], n, k, warps))
-           for n, k, warps in TRITON_BLOCKS},
+        **{f"fp8_triton_{n}x{k}": (lambda x, w, block=(n, k): fp8_gemv.launch(x, w["fp8"], w["scale"], block))
+           for n, k in TRITON_BLOCKS},
         "int8_pack": lambda x, w: torch._weight_int8pack_mm(x, w["int8"], w["int8_scale"]),
         "fp8_scaled_mm": lambda x, w: _scaled_mm(x, w["fp8_t"], w["scale"]),
     }
@@ -131,16 +100,12 @@ def main() -> None:
     layers = _layers(device, generator)
     weight_bytes = {"bf16": sum(w["bf16"].nbytes for w in layers)}
     fp8_ways = ["fp8_cast", "fp8_linear", "fp8_fused_compiled", "fp8_scaled_mm"]
-    fp8_ways += [f"fp8_triton_{n}x{k}w{w}" for n, k, w in TRITON_BLOCKS]
+    fp8_ways += [f"fp8_triton_{n}x{k}" for n, k in TRITON_BLOCKS]
     weight_bytes.update(dict.fromkeys(fp8_ways, sum(w["fp8"].nbytes for w in layers)))
     weight_bytes["int8_pack"] = sum(w["int8"].nbytes for w in layers)
     fused = torch.compile(_fused, dynamic=False)
-    try:
-        gemv = _triton_gemv()
-    except ImportError:
-        gemv = None
     rows = []
-    for count, (name, way) in itertools.product(map(int, args.rows.split(",")), _ways(fused, gemv).items()):
+    for count, (name, way) in itertools.product(map(int, args.rows.split(",")), _ways(fused).items()):
         if name == "fp8_fused_compiled" and not args.compiled:
             continue
         inputs = [torch.randn(count, w["bf16"].shape[1], generator=generator, device=device).bfloat16()

@@ -20,7 +20,9 @@ import logging
 import torch
 
 ROWS = 4  # rows up to which one kernel per linear beats the cast and the matmul (each row reads the weight again)
-_BLOCK_N, _BLOCK_K = 16, 512  # output rows and inputs per step of a program (bench/bench_fp8_decode.py)
+# Output rows and inputs per step of a program: the fastest of five shapes for one token of the PE's linears on an
+# H100 (bench/bench_fp8_decode.py, 2026-12-06: 1.73 ms against 1.94-3.41 for the others and 2.70 for bf16).
+BLOCK = (4, 1024)
 
 _kernel = None  # the Triton kernel, built at first use
 _unavailable = False  # Triton is missing here, or building or launching the kernel failed once
@@ -31,8 +33,10 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def fp8_rows_kernel(x_ptr, w_ptr, scale_ptr, scale_stride, out_ptr, N, K,
+    def fp8_rows_kernel(x_ptr, w_ptr, scale_ptr, scale_stride, out_ptr, N, K: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # K is a constant (one build per layer width, a handful a model): Triton's interpreter before 3.8 cannot loop
+        # up to a runtime integer under numpy 2 (its ``__index__`` of a one-element array).
         row, block = tl.program_id(1), tl.program_id(0)
         rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -50,9 +54,10 @@ def _build():
     return triton, fp8_rows_kernel
 
 
-def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = BLOCK) -> torch.Tensor:
     """``x [rows, in] @ (weight * scale).T`` by the kernel: ``weight [out, in]`` fp8 e4m3 (contiguous), ``scale`` one
-    per tensor or one per output row, the result in ``x``'s dtype. Any device Triton runs on (its interpreter too)."""
+    per tensor or one per output row, the result in ``x``'s dtype; ``block``: a program's output rows and inputs per
+    step (powers of two). Any device Triton runs on (its interpreter too)."""
     global _kernel
     if _kernel is None:
         _kernel = _build()
@@ -60,9 +65,9 @@ def launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.
     (rows, inputs), outputs = x.shape, weight.shape[0]
     out = torch.empty(rows, outputs, device=x.device, dtype=x.dtype)
     scale = scale.reshape(-1)
-    kernel[(triton.cdiv(outputs, _BLOCK_N), rows)](
+    kernel[(triton.cdiv(outputs, block[0]), rows)](
         x.contiguous(), weight.view(torch.uint8), scale, 0 if scale.numel() == 1 else 1, out, outputs, inputs,
-        BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
+        BLOCK_N=block[0], BLOCK_K=block[1])
     return out
 
 
