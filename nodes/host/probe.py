@@ -114,7 +114,8 @@ def _bf16(inputs: int, outputs: int, device: torch.device) -> Linear:
 
 
 def _fp8_cast(inputs: int, outputs: int, device: torch.device) -> Linear:
-    """The pack's fp8 storage (``Fp8Linear``, as core's fp8 weights): cast to bf16 per layer, then the matmul."""
+    """The pack's fp8 storage (``Fp8Linear``, as core's fp8 weights): cast to bf16 per layer, then the matmul; a PE
+    token's single row in one kernel on a CUDA GPU (``fp8_gemv``)."""
     layer = Fp8Linear(inputs, outputs, bias=False, device=device)
     layer.weight.data, layer.weight_scale = quantize_rows(_random((outputs, inputs), torch.float32, device))
     return layer
