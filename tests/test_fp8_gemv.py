@@ -96,3 +96,20 @@ def test_a_decode_step_on_the_gpu_takes_the_kernel_and_agrees_with_the_plain_pat
     static.copy_(torch.randn_like(x))
     graph.replay()
     assert torch.equal(captured, layer(static))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA GPU (the H200 check runs it)")
+def test_without_triton_fault_the_plain_path_runs_and_the_log_says_how_to_get_triton_once(monkeypatch, caplog):
+    """A Windows install without triton-windows, made by hiding Triton from imports (a fault a working install cannot
+    give): the layer gives the plain path's product, and one warning names the fix however many steps decode."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # ``import triton`` raises ImportError
+    monkeypatch.setattr(fp8_gemv, "_kernel", None)
+    monkeypatch.setattr(fp8_gemv, "_unavailable", False)
+    layer = _linear(rows_scale=True)
+    x = torch.randn(1, 1, 3072, device="cuda", dtype=torch.bfloat16)
+    with caplog.at_level("WARNING"):
+        outs = [layer(x) for _ in range(3)]
+    plain = torch.nn.functional.linear(x, layer.weight.to(x.dtype)) * layer.weight_scale.reshape(-1).to(x.dtype)
+    assert all(torch.equal(out, plain + layer.bias.to(x.dtype)) for out in outs)
+    warnings = [record.getMessage() for record in caplog.records if "one-kernel product" in record.getMessage()]
+    assert len(warnings) == 1 and "triton-windows" in warnings[0] and "ImportError" in warnings[0]
