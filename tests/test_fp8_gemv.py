@@ -77,19 +77,20 @@ def _linear(rows_scale: bool) -> Fp8Linear:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA GPU (the H200 check runs it)")
 @pytest.mark.parametrize("rows_scale", [True, False], ids=["per-row", "per-tensor"])
 def test_a_decode_step_on_the_gpu_takes_the_kernel_and_agrees_with_the_plain_path(rows_scale):
-    """``Fp8Linear`` with one token's row on a CUDA GPU gives the kernel's product (bias added), within a bf16
-    rounding or two of the plain path's (which rounds the product, then scales it), and so does a CUDA graph that
-    captured it."""
+    """``Fp8Linear`` with one token's row on a CUDA GPU gives the kernel's product (bias added), within the bf16
+    roundings the two paths make of the plain path's (the plain path rounds the product, the scaled product and the
+    sum with the bias; the kernel its scaled product and that sum: five half-units of the last place at most), and so
+    does a CUDA graph that captured it."""
     layer = _linear(rows_scale)
     assert layer.weight.dtype == FP8
-    x = torch.randn(1, 1, 3072, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 1, 3072, generator=torch.Generator().manual_seed(2)).to("cuda", torch.bfloat16)
     out = layer(x)
     kernel = fp8_gemv.launch(x.reshape(1, 3072), layer.weight, layer.weight_scale).reshape(1, 1, 4096) + layer.bias.to(
         torch.bfloat16)
     assert torch.equal(out, kernel)
     plain = torch.nn.functional.linear(x, layer.weight.to(x.dtype)) * layer.weight_scale.reshape(-1).to(x.dtype)
     plain = plain + layer.bias.to(x.dtype)
-    assert (out.float() - plain.float()).abs().max() <= 2 * 2**-8 * plain.float().abs().max()
+    assert (out.float() - plain.float()).abs().max() <= 5 * 2**-8 * plain.float().abs().max()
     graph, static = torch.cuda.CUDAGraph(), x.clone()
     with torch.cuda.graph(graph):
         captured = layer(static)
@@ -112,4 +113,4 @@ def test_without_triton_fault_the_plain_path_runs_and_the_log_says_how_to_get_tr
     plain = torch.nn.functional.linear(x, layer.weight.to(x.dtype)) * layer.weight_scale.reshape(-1).to(x.dtype)
     assert all(torch.equal(out, plain + layer.bias.to(x.dtype)) for out in outs)
     warnings = [record.getMessage() for record in caplog.records if "one-kernel product" in record.getMessage()]
-    assert len(warnings) == 1 and "triton-windows" in warnings[0] and "ImportError" in warnings[0]
+    assert len(warnings) == 1 and "triton-windows" in warnings[0] and "ModuleNotFoundError" in warnings[0]
