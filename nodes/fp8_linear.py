@@ -1,8 +1,9 @@
 """fp8 storage for the Ministral 3 models' decoder linears, cast to the compute dtype as each layer runs (engine).
 
 As core holds its own fp8 text encoders: the weight stays ``float8_e4m3fn`` (half of bf16's bytes) with a scale;
-``forward`` casts it to the input's dtype and scales the product (in fp16, the weight). Plain torch only, so it runs
-on every GPU (no fp8 matmul needed: RTX 20/30 too) and the CPU, and torch.compile traces it. Embeddings, norms and
+``forward`` casts it to the input's dtype and scales the product (in fp16, the weight). Plain torch, so it runs on
+every GPU (no fp8 matmul needed: RTX 20/30 too) and the CPU, and torch.compile traces it; a decode step's few rows on
+a CUDA GPU take one Triton kernel instead, which reads each weight byte once (``fp8_gemv``). Embeddings, norms and
 the head stay in the compute dtype: they are a small part of the bytes and the embedding lookup is not a matmul.
 
 Weights come either from an fp8 file (core's scaled-fp8 or comfy_quant layout: its fp8 weight and scale as they are)
@@ -14,6 +15,8 @@ from __future__ import annotations
 import re
 
 import torch
+
+from .fp8_gemv import fp8_rows
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -40,6 +43,9 @@ class Fp8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        out = fp8_rows(x, self.weight, self.weight_scale)  # a decode step on a CUDA GPU: one kernel (fp8_gemv)
+        if out is not None:
+            return out if bias is None else out + bias
         if x.dtype not in WIDE_RANGE:
             weight = self.weight.to(x.dtype) * self.weight_scale.to(x.dtype)
             return torch.nn.functional.linear(x, weight, bias)

@@ -339,3 +339,18 @@ def test_on_a_gpu_a_gguf_dit_with_a_lora_core_unloads_in_part_reloads_pinned_wit
         factors = getattr(layers[name].weight, gguf_layers.FACTORS)
         assert all(t.is_cuda for f in factors for t in f[:2]), name
     patcher.detach()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA GPU (the H200 check runs it)")
+def test_on_a_gpu_the_pinned_copy_of_a_lora_factor_counts_in_the_host_ram_held_while_the_factor_lives(monkeypatch):
+    """A LoRA factor a GGUF layer loads again each prompt comes from a pinned copy (``pinned_copy``): host RAM beside
+    the factor itself, which ``held_on_host`` counts until the factor is gone."""
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", int(0.95 * psutil.virtual_memory().total))
+    before = host_copy.held_on_host()
+    factor = torch.randn(64, 1024)
+    copy = host_copy.pinned_copy(factor)
+    assert copy.is_pinned() and copy.data_ptr() != factor.data_ptr() and torch.equal(copy, factor)
+    assert host_copy.pinned_copy(factor) is copy  # once per factor
+    assert host_copy.held_on_host() - before == copy.untyped_storage().nbytes() >= factor.nbytes
+    del factor, copy
+    assert host_copy.held_on_host() == before

@@ -54,18 +54,20 @@ def track(patcher: ModelPatcher) -> ModelPatcher:
 
 
 def held_on_host() -> int:
-    """Host RAM the pack's models hold now: their tensors on the CPU, their kept host copies and the originals of
-    their LoRA-patched weights, each storage once (a tensor subclass counted by its inner tensors)."""
+    """Host RAM the pack's models hold now: their tensors on the CPU, their kept host copies, the originals of their
+    LoRA-patched weights and the pinned copies of LoRA factors, each storage once (a tensor subclass counted by its
+    inner tensors)."""
     seen: set[int] = set()
     held = 0
+    tensors = list(_PINNED.values())
     for model, backup in list(_MODELS.items()):
         kept = (t for module in model.modules() for t in _KEPT.get(module, {}).values())  # its layers' too
-        tensors = [*model.parameters(), *model.buffers(), *kept, *(saved.weight for saved in list(backup.values()))]
-        for tensor in (inner for t in tensors for inner in plain_tensors(t)):
-            if tensor.device.type != "cpu" or tensor.untyped_storage().data_ptr() in seen:
-                continue
-            seen.add(tensor.untyped_storage().data_ptr())
-            held += tensor.untyped_storage().nbytes()
+        tensors += [*model.parameters(), *model.buffers(), *kept, *(saved.weight for saved in list(backup.values()))]
+    for tensor in (inner for t in tensors for inner in plain_tensors(t)):
+        if tensor.device.type != "cpu" or tensor.untyped_storage().data_ptr() in seen:
+            continue
+        seen.add(tensor.untyped_storage().data_ptr())
+        held += tensor.untyped_storage().nbytes()
     return held
 
 

@@ -49,7 +49,7 @@ from .vae import decode_in_row_slabs
 log = logging.getLogger(__name__)
 
 COSTS_FILE = ("ernie-image", "costs.json")  # under ComfyUI's user folder
-PROBE_VERSION = 6  # in the key: a probe that measures differently (another form, another shape) measures again
+PROBE_VERSION = 7  # in the key: a probe that measures differently (another form or shape; v7 fp8 tokens) measures again
 NVIDIA_VERSION_FILE = Path("/proc/driver/nvidia/version")
 REPEATS = 3
 HEAD_ROWS = 16384  # the PE's vocabulary head is timed on this many rows and scaled (all of it: 805 MB more)
@@ -114,7 +114,8 @@ def _bf16(inputs: int, outputs: int, device: torch.device) -> Linear:
 
 
 def _fp8_cast(inputs: int, outputs: int, device: torch.device) -> Linear:
-    """The pack's fp8 storage (``Fp8Linear``, as core's fp8 weights): cast to bf16 per layer, then the matmul."""
+    """The pack's fp8 storage (``Fp8Linear``, as core's fp8 weights): cast to bf16 per layer, then the matmul; a PE
+    token's single row in one kernel on a CUDA GPU (``fp8_gemv``)."""
     layer = Fp8Linear(inputs, outputs, bias=False, device=device)
     layer.weight.data, layer.weight_scale = quantize_rows(_random((outputs, inputs), torch.float32, device))
     return layer
