@@ -26,7 +26,7 @@ BLOCKED = sorted(CORE_MODULES | {"folder_paths", "comfy_api"})
 # Paths under nodes/.
 ENGINE = [
     "__init__.py", "errors.py", "model_files.py", "ministral_file.py", "quant_layout.py", "structure.py",
-    "fp8_linear.py", "fp8_gemv.py", "memory_advice.py", "cancel.py", "compile_clock.py",
+    "fp8_linear.py", "fp8_gemv.py", "bounded_json.py", "memory_advice.py", "cancel.py", "compile_clock.py",
     "plan/__init__.py", "plan/costs.py", "plan/describe.py", "plan/planner.py", "plan/records.py", "plan/session.py",
     "gguf/__init__.py", "gguf/dequant.py", "gguf/header.py", "gguf/reader.py", "gguf/linear.py", "gguf/tokenizer.py",
     "ministral_gguf.py",

@@ -20,7 +20,8 @@ HOST = "host"  # every use of ComfyUI's internals (test_host_layer.py)
 # (the host words it for every feature's models), the memory plan's records, planner and session (``plan/``). They
 # import only each other.
 SHARED = {"errors", "model_files", "paths", "choices", "structure", "quant_layout", "ministral_file", "ministral_gguf",
-          "fp8_linear", "fp8_gemv", "inputs", "sockets", "gguf", "memory_advice", "cancel", "compile_clock", "plan"}
+          "fp8_linear", "fp8_gemv", "bounded_json", "inputs", "sockets", "gguf", "memory_advice", "cancel",
+          "compile_clock", "plan"}
 TOP = {"loaders", "extension", "planning"}  # and the package itself: they may import anything of the pack
 
 

@@ -24,6 +24,8 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
+from ... import bounded_json
+from ...bounded_json import NestedTooDeeply
 from ..protocol import Completion, EnhancerError, GenerationStopped, PromptSpec, ResultCallback, SamplingParams
 from ..runtime import Runtime
 from .bounded_http import Answer, HttpFailure, exchange
@@ -59,25 +61,12 @@ def _retry_after(answer: Answer) -> float | None:
     return min(max(seconds, 0.0), _RETRY_AFTER_CAP_S)
 
 
-class NestedTooDeeply(ValueError):
-    """JSON nested deeper than the parser goes: 100,000 nested arrays fit in 200 KB, and the parser ends in a
-    RecursionError."""
-
-
-def parse_json(body: bytes) -> object:
-    """An answer's JSON; ``ValueError`` for anything else (``NestedTooDeeply`` for too deep a nesting)."""
-    try:
-        return json.loads(body)
-    except RecursionError:
-        raise NestedTooDeeply("JSON nested too deeply") from None
-
-
 def server_message(body: bytes) -> str | None:
     """The server's own error message from a JSON error answer (OpenAI's ``{"error": {"message"}}``, vLLM's
     ``{"message"}``, FastAPI's ``{"detail"}``), on one line and capped; None for anything else, which is never quoted
     (a ``base_url`` aimed at another service must not read that service's pages back into ComfyUI)."""
     try:
-        data = parse_json(body)
+        data = bounded_json.loads(body)
     except ValueError:
         return None
     if not isinstance(data, dict):
@@ -333,7 +322,7 @@ class RemotePromptEnhancer:
 
     def _decode(self, answer: Answer, url: str) -> dict:
         try:
-            data = parse_json(answer.body)
+            data = bounded_json.loads(answer.body)
         except ValueError as error:
             kind = (answer.headers.get("Content-Type") or "no content type").split(";")[0].strip()[:60]
             kind = f"{kind}, " if self._trusted() else ""  # the header is the server's words too
