@@ -82,6 +82,8 @@ def fp8_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torc
     try:
         with torch.cuda.device(x.device):  # Triton launches on the current device, which may be another GPU
             return launch(x.reshape(rows, x.shape[-1]), weight, scale).reshape(*x.shape[:-1], weight.shape[0])
+    except torch.OutOfMemoryError:  # the card is full now, not the kernel broken: core's handling, as for any layer
+        raise
     except Exception as error:  # no Triton, no C compiler, a GPU it cannot build for: the plain path, as before
         _unavailable = True
         hint = " (on Windows: pip install triton-windows)" if isinstance(error, ImportError) else ""

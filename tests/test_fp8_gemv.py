@@ -114,3 +114,23 @@ def test_without_triton_fault_the_plain_path_runs_and_the_log_says_how_to_get_tr
     assert all(torch.equal(out, plain + layer.bias.to(x.dtype)) for out in outs)
     warnings = [record.getMessage() for record in caplog.records if "one-kernel product" in record.getMessage()]
     assert len(warnings) == 1 and "triton-windows" in warnings[0] and "ModuleNotFoundError" in warnings[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA GPU (the H200 check runs it)")
+def test_an_out_of_memory_in_the_kernel_fault_injected_is_raised_and_the_kernel_stays_in_use(monkeypatch):
+    """A full card (the fault injected: the launch raises torch's out-of-memory error) is the card's state, not a
+    broken kernel: it reaches core's handling as any layer's would, and the next step takes the kernel again."""
+    monkeypatch.setattr(fp8_gemv, "_unavailable", False)
+    layer = _linear(rows_scale=True)
+    x = torch.randn(1, 1, 3072, device="cuda", dtype=torch.bfloat16)
+
+    def full(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(fp8_gemv, "launch", full)
+        with pytest.raises(torch.OutOfMemoryError):
+            layer(x)
+    assert not fp8_gemv._unavailable
+    assert torch.equal(layer(x), fp8_gemv.launch(x.reshape(1, 3072), layer.weight, layer.weight_scale).reshape(
+        1, 1, 4096) + layer.bias.to(torch.bfloat16))

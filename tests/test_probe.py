@@ -198,3 +198,27 @@ def test_without_nvml_the_driver_version_is_read_from_the_kernel_modules_file(tm
     (tmp_path / "version").write_text(line + "\nGCC version:  gcc version 12.2.0\n")
     assert probe.driver_version(tmp_path / "version") == version
     assert probe.driver_version(tmp_path / "missing") == "unknown"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA GPU (the H200 check runs it)")
+def test_on_a_gpu_a_pe_tokens_work_is_timed_as_a_replayed_cuda_graph():
+    """A PE token's kernels are timed as the PE runs them (captured once, replayed): the replay repeats the work on
+    the tensors captured, and a run that cannot be captured (it waits on the host, as ``.item()`` does: a fault the
+    probe's own layers do not give) is timed as launched, the probe going on."""
+    cuda = torch.device("cuda")
+    total, step = torch.zeros((), device=cuda), torch.ones((), device=cuda)
+    replay = probe._graphed(lambda: total.add_(step), cuda)
+    assert float(total) == 1  # the warm-up ran it; the capture records without running
+    replay()
+    replay()
+    assert float(total) == 3
+    step.fill_(10)
+    replay()
+    assert float(total) == 13  # the captured tensors are read at each replay
+    before = float(total)
+    waits = probe._graphed(lambda: total.add_(step).item(), cuda)  # its warm-up runs it once
+    waits()
+    assert float(total) == before + 20  # the run itself, not a graph
+    again = probe._graphed(lambda: total.add_(step), cuda)  # the stream captures again after the failed capture
+    again()
+    assert float(total) == before + 40

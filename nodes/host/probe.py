@@ -6,10 +6,13 @@ activations, adaLN, residuals) once, times its 36 blocks, and a rank-64 LoRA's o
 DiT adds them), per GB of its factors; one text-encoder layer for a 128-token encode and for one PE
 token after 512, times its 26 layers, on the GPU and (the encode) on the CPU; one 1024² decode by the Flux.2 VAE's
 decoder (core's, in row slabs as the pack decodes); its image saved as a PNG on the CPU, as core's SaveImage does;
-host-to-GPU copies, pinned and pageable. Everything runs eager. GGUF blocks are decoded by the pack's own ``dequantize``
-before each matmul: where the pack holds a GGUF DiT whole it compiles the blocks and inductor fuses the decode, which
-would take longer to compile than the whole probe may take; the eager figure ranks the GGUF types against each other and
-against the other forms, and the GPU check prints measured beside predicted.
+host-to-GPU copies, pinned and pageable. Everything runs eager but a PE token's work on a CUDA GPU, which is captured
+in a CUDA graph and replayed, as the PE decodes (``pe/local/decode``): launched one by one from Python, a token's few
+hundred small kernels wait for their launches (a Triton kernel's the longest), which the PE's tokens never do. GGUF
+blocks are decoded by the pack's own ``dequantize`` before each matmul: where the pack holds a GGUF DiT whole it
+compiles the blocks and inductor fuses the decode, which would take longer to compile than the whole probe may take;
+the eager figure ranks the GGUF types against each other and against the other forms, and the GPU check prints
+measured beside predicted.
 
 Warm-up once, then up to three timings (CUDA events), their median; a repetition beyond the first is skipped once
 ``budget_s`` has passed, so the probe stays near its budget on a slow GPU (about 15 s; on an H200 a few); the VAE's
@@ -49,7 +52,8 @@ from .vae import decode_in_row_slabs
 log = logging.getLogger(__name__)
 
 COSTS_FILE = ("ernie-image", "costs.json")  # under ComfyUI's user folder
-PROBE_VERSION = 7  # in the key: a probe that measures differently (another form or shape; v7 fp8 tokens) measures again
+# In the key: a probe that measures differently (another form or shape; v8: PE tokens graphed) measures again.
+PROBE_VERSION = 8
 NVIDIA_VERSION_FILE = Path("/proc/driver/nvidia/version")
 REPEATS = 3
 HEAD_ROWS = 16384  # the PE's vocabulary head is timed on this many rows and scaled (all of it: 805 MB more)
@@ -220,6 +224,23 @@ class _Timer:
         return statistics.median(times)
 
 
+def _graphed(run: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """``run`` captured in a CUDA graph on a CUDA device, replayed by the call returned, as the PE's decode step is
+    (``pe/local/decode._GraphedStep``); ``run`` itself on another device or where its capture fails."""
+    if device.type != "cuda":
+        return run
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode():
+        run()  # outside the capture: kernels built (Triton's too), cuBLAS's workspace allocated
+        try:
+            with torch.cuda.graph(graph):
+                run()
+        except RuntimeError as error:  # a form whose kernels cannot be captured: timed as launched
+            log.info("ERNIE-Image probe: a PE token's work timed eager (no CUDA graph: %s)", str(error)[:200])
+            return run
+    return graph.replay
+
+
 def _layers(build: Callable[[int, int, torch.device], Linear], linears: list[tuple[int, int]],
             device: torch.device, tokens: int) -> Callable[[], None]:
     """One block's ``linears`` in one form, run on ``tokens`` tokens (an input of each width made once)."""
@@ -341,14 +362,16 @@ def measure(device: torch.device | str, shapes: Shapes = TRUE_SHAPES,
     heads = (s.text_heads, s.text_kv_heads, s.text_head_dim)
     text_rest = timer.seconds(_attention(*heads, s.text_tokens, s.text_tokens, device, causal=True), device) \
         + timer.seconds(_pointwise(s.text_tokens, s.text_hidden, *heads, s.text_ffn, device, dit=False), device)
-    pe_rest = timer.seconds(_attention(*heads, 1, s.pe_cached_tokens + 1, device, causal=False), device) \
-        + timer.seconds(_pointwise(1, s.text_hidden, *heads, s.text_ffn, device, dit=False), device)
+    pe_rest = timer.seconds(_graphed(_attention(*heads, 1, s.pe_cached_tokens + 1, device, causal=False), device),
+                            device) \
+        + timer.seconds(_graphed(_pointwise(1, s.text_hidden, *heads, s.text_ffn, device, dit=False), device), device)
     head_rows = min(s.vocab, HEAD_ROWS)  # the head stays bf16 in every form
-    pe_head = timer.seconds(_layers(_bf16, [(s.text_hidden, head_rows)], device, 1), device) * s.vocab / head_rows
+    pe_head = timer.seconds(_graphed(_layers(_bf16, [(s.text_hidden, head_rows)], device, 1), device),
+                            device) * s.vocab / head_rows
     for name, build in TEXT_FORMS.items():
         layer = timer.seconds(_layers(build, s.text_linears(), device, s.text_tokens), device)
         seconds[f"text:{name}"] = s.text_layers * (layer + text_rest)
-        token = timer.seconds(_layers(build, s.text_linears(), device, 1), device)
+        token = timer.seconds(_graphed(_layers(build, s.text_linears(), device, 1), device), device)
         seconds[f"pe:{name}"] = s.text_layers * (token + pe_rest) + pe_head
     seconds["vae"] = timer.seconds(_vae_decode(s, device), device, repeats=1)
 
