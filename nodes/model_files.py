@@ -6,7 +6,6 @@ Only safetensors are ever loaded by the pack: no pickles, no remote code.
 
 from __future__ import annotations
 
-import json
 import stat
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -17,6 +16,8 @@ from typing import BinaryIO, ParamSpec, TypeVar
 
 import torch
 
+from . import bounded_json
+from .bounded_json import NestedTooDeeply
 from .cancel import check_cancel
 from .errors import ErnieImageError, quoted
 
@@ -144,8 +145,8 @@ def _parse(path: Path, size: int) -> _Parsed:
     except OSError as e:
         raise _unreadable(path, e) from e
     try:
-        header = json.loads(text)
-    except RecursionError:
+        header = bounded_json.loads(text)
+    except NestedTooDeeply:
         raise _unreadable(path, "its header is nested too deeply") from None
     except ValueError as e:  # not JSON, or not UTF-8
         raise _unreadable(path, f"its header is not JSON: {type(e).__name__}") from None
@@ -264,8 +265,8 @@ def json_object(path: Path) -> dict:
     with open(path, "rb") as f:
         text = f.read(CONFIG_LIMIT_BYTES + 1)
     try:
-        data = json.loads(text)
-    except RecursionError:  # thousands of nested brackets
+        data = bounded_json.loads(text)
+    except NestedTooDeeply:
         raise ValueError("nested too deeply") from None
     except ValueError as error:  # invalid JSON or UTF-8
         raise ValueError(f"not JSON ({type(error).__name__})") from None

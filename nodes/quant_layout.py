@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from . import bounded_json
+from .bounded_json import NestedTooDeeply
 from .errors import ErnieImageError, quoted
 from .model_files import TensorInfo
 from .structure import SCALE_SUFFIXES, natural
@@ -93,10 +95,10 @@ def is_config_tensor(info: TensorInfo) -> bool:
 
 
 def _json(text: str | bytes) -> object:
-    """JSON's value; nesting deeper than Python's recursion limit is refused as ValueError, as other bad JSON."""
+    """JSON's value; deep nesting is refused as ValueError in this file's words, as other bad JSON."""
     try:
-        return json.loads(text)
-    except RecursionError:
+        return bounded_json.loads(text)
+    except NestedTooDeeply:
         raise ValueError("nested deeper than any quantization configuration") from None
 
 

@@ -142,7 +142,7 @@ def test_a_job_that_is_not_the_expected_message_is_refused_by_the_worker_in_word
     (b'{"kind": "run this"}\n', '"kind" is not one of'),
     (encode({"kind": "stop", "then": "more"}), "a stop job has only a kind"),
     (b'{"kind": "forward"}\n', "a forward job has the keys"),
-    (b"[" * 100_000 + b"\n", "it is not JSON (RecursionError)"),
+    (b"[" * 100_000 + b"\n", "it is not JSON (NestedTooDeeply)"),
     (b'{"kind": "stop"}', "it is not one line of at most"),  # cut short: no end of line
     (b" " * (1 << 20) + b'{"kind": "stop"}\n', "it is not one line of at most 1048576 bytes"),
 ])

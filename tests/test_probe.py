@@ -141,6 +141,7 @@ HOSTILE = {
     "no key": json.dumps({k: v for k, v in _valid().items() if k != "key"}).encode(),
     "huge": json.dumps(_valid() | {"pad": "x" * MAX_FILE_BYTES}).encode(),
     "too many entries": json.dumps(_valid() | {"seconds": {f"k{i}": 1.0 for i in range(300)}}).encode(),
+    "nested 30,000 deep": b"[" * 30_000 + b"]" * 30_000,  # within the size bound: on main a RecursionError escaped
 }
 
 

@@ -19,6 +19,7 @@ import json
 
 import torch
 
+from .. import bounded_json
 from ..errors import ErnieImageError
 from .split import MODES
 
@@ -57,8 +58,8 @@ def read_job(line: bytes) -> dict:
     if len(line) > MAX_JOB_BYTES or not line.endswith(b"\n"):
         raise _refused(line, f"it is not one line of at most {MAX_JOB_BYTES} bytes")
     try:
-        job = json.loads(line.decode())
-    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        job = bounded_json.loads(line.decode())
+    except ValueError as error:  # not UTF-8 (UnicodeDecodeError), not JSON, nested too deeply
         raise _refused(line, f"it is not JSON ({type(error).__name__})") from None
     if not isinstance(job, dict) or job.get("kind") not in (FORWARD, END_RUN, STOP):
         raise _refused(line, f'"kind" is not one of "{FORWARD}", "{END_RUN}", "{STOP}"')

@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil  # ComfyUI's own dependency (its model management imports it)
 import torch.distributed as dist
 
+from .. import bounded_json
 from ..errors import ErnieImageError
 
 PREFIX = "ernie-image-parallel-"
@@ -94,7 +95,7 @@ def remove_stale_folders() -> list[Path]:
             info = os.lstat(folder)
             if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
                 continue
-            owner = json.loads((folder / OWNER).read_text())
+            owner = bounded_json.loads((folder / OWNER).read_text())
             if _owner_alive(owner):
                 continue
         except (OSError, ValueError, KeyError, TypeError, psutil.Error):

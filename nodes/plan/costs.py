@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .. import bounded_json
+
 IMAGE_PNG = "image:png"
 LORA_PER_GB = "lora:dit_per_gb"
 MAX_FILE_BYTES = 1 << 16
@@ -73,7 +75,7 @@ def read_costs(path: Path, key: str) -> Costs | None:
     exactly what ``Costs.to_json`` writes (then the probe measures again and writes it anew)."""
     try:
         text = _read_bounded(path)
-        data = None if text is None else json.loads(text)
+        data = None if text is None else bounded_json.loads(text)
     except (OSError, ValueError):  # unreadable, not UTF-8 (UnicodeDecodeError is a ValueError), not JSON
         return None
     if not isinstance(data, dict) or data.get("key") != key:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .. import bounded_json
 from ..cancel import check_cancel
 from ..errors import ErnieImageError
 from ..model_files import dit_folder, file_stamps, read_header, read_safetensors
@@ -65,8 +66,8 @@ def _newest_change(folder: Path) -> float:
 
 def _read_record(path: Path) -> dict | None:
     try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):
+        record = bounded_json.loads(path.read_text())
+    except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) and "checkpoint_bytes" in record else None
 
@@ -118,8 +119,8 @@ class SavedDiTs:
             with safe_open(str(checkpoint), framework="pt"):
                 pass
             for name in self.beside:
-                json.loads((entry / name).read_text())
-        except (SafetensorError, OSError, ValueError, RecursionError) as e:
+                bounded_json.loads((entry / name).read_text())
+        except (SafetensorError, OSError, ValueError) as e:
             return f"it is damaged ({str(e)[:200]})"
         return None
 

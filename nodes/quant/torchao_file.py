@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .. import bounded_json
 from ..cancel import check_cancel
 from ..errors import ErnieImageError, quoted
 from ..model_files import read_header, read_safetensors
@@ -79,16 +80,9 @@ def _damaged(path: Path, what: str) -> ErnieImageError:
     return ErnieImageError(f"The saved quantized DiT {path} is damaged or from another version of the pack ({what}).")
 
 
-def _json(text: str) -> object:
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
-
-
 def _description(metadata: dict[str, str], name: str, path: Path) -> dict:
     try:
-        description = _json(metadata[name])
+        description = bounded_json.loads(metadata[name])
     except (KeyError, ValueError):
         raise _damaged(path, f"no readable description of {name}") from None
     if not isinstance(description, dict) or not (description.get("_type") == PLAIN or (
@@ -100,7 +94,7 @@ def _description(metadata: dict[str, str], name: str, path: Path) -> dict:
 def _check(path: Path, metadata: dict[str, str], expected: dict[str, torch.Tensor]) -> dict[str, dict]:
     """Each tensor's description, once the header holds exactly the skeleton's names, shapes and dtypes."""
     try:
-        names = _json(metadata.get("tensor_names", "null"))
+        names = bounded_json.loads(metadata.get("tensor_names", "null"))
     except ValueError:
         names = None
     if not isinstance(names, list) or set(names) != set(expected):
