@@ -81,8 +81,8 @@ def _recipe(records, lora, size, forms: dict, places: dict):
     return plan(fixed, Card(int(size * GIB), PINNABLE), costs(), lora)
 
 
-# The recipes measured on the H200 (README's table): usable memory of an 8/12/16/24 GB card (less a CUDA context and
-# core's reserve) and what each held.
+# The recipes measured on the H200 (the README's card table until 2026-12-06; bench/RESULTS.md): usable memory of an
+# 8/12/16/24 GB card (less a CUDA context and core's reserve) and what each held.
 RECIPES = [
     (7.1, dict(gguf=True), {TEXT_ENCODER: "default"}, {DIT: (RESIDENT,), TEXT_ENCODER: (CPU,)}),
     (11.1, dict(gguf=True), {TEXT_ENCODER: "fp8_e4m3fn"}, {DIT: (RESIDENT,), TEXT_ENCODER: (RESIDENT,)}),
