@@ -444,3 +444,20 @@ def test_a_runs_row_lists_the_compile_phases_it_waited_for_and_none_when_nothing
     before = compile_phases()
     compiled(torch.randn(5))  # the same shape: no compile
     assert compile_seconds(before) == {}
+
+
+def test_host_ram_names_the_shared_peak_and_what_the_last_prompt_left_resident():
+    """A host-RAM peak above the anonymous and file-backed ones is shared pages (pinned host memory may count there),
+    and a peak far above what the last prompt left resident is a transient copy (the PE workflow at 12 GB peaked at
+    28.4 GiB, anon 16.0, file 1.3: the rest was not told apart)."""
+    from checks.gpu.e2e_sweep import host_ram
+    from checks.gpu.e2e_worker import HostMemoryPeaks
+
+    runs = [dict(peak_rss_gib=28.4, peak_rss_anon_gib=16.0, peak_rss_file_gib=1.3, peak_rss_shmem_gib=11.0,
+                 rss_now_gib=25.0),
+            dict(peak_rss_gib=28.4, peak_rss_anon_gib=16.0, peak_rss_file_gib=1.3, peak_rss_shmem_gib=11.0,
+                 rss_now_gib=21.2)]
+    assert host_ram(runs, digits=1) == "28.4 (anon 16.0, file 1.3, shmem 11.0, after the last prompt 21.2)"
+    assert host_ram([dict(peak_rss_gib=5.0)]) == "5"  # older rows: the peak alone
+    row = HostMemoryPeaks(interval=60).row()  # this process, read now from /proc/self/status
+    assert 0 < row["rss_now_gib"] < 1024

@@ -51,12 +51,17 @@ def gpu_peak(runs: list[dict]) -> str:
 
 
 def host_ram(runs: list[dict], digits: int = 0) -> str:
-    """The process's peak resident memory over ``runs`` (GiB), with its anonymous and file-backed peaks; empty without
-    a figure."""
-    ram, anon, file = maxima(runs, "peak_rss_gib", "peak_rss_anon_gib", "peak_rss_file_gib")
+    """The process's peak resident memory over ``runs`` (GiB), with its anonymous, file-backed and shared peaks and
+    what the last run left resident; empty without a figure."""
+    ram, anon, file, shmem = maxima(runs, "peak_rss_gib", "peak_rss_anon_gib", "peak_rss_file_gib",
+                                    "peak_rss_shmem_gib")
     if not ram:
         return ""
-    return f"{ram:.{digits}f}" + (f" (anon {anon:.{digits}f}, file {file:.{digits}f})" if anon else "")
+    parts = [f"anon {anon:.{digits}f}", f"file {file:.{digits}f}"] if anon else []
+    parts += [f"shmem {shmem:.{digits}f}"] if shmem else []
+    now = runs[-1].get("rss_now_gib") if runs else None
+    parts += [f"after the last prompt {now:.{digits}f}"] if now else []
+    return f"{ram:.{digits}f}" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def _megabytes(n: int) -> str:

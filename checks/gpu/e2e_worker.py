@@ -388,11 +388,11 @@ class NvmlPeak:
 
 
 class HostMemoryPeaks:
-    """The process's peak anonymous and file-backed resident memory so far (``/proc/self/status``, sampled every
-    ``interval`` s from a thread; Linux only): which of the two a host-RAM peak is, weights read into memory or
-    pages of a memory-mapped file."""
+    """The process's peak anonymous, file-backed and shared resident memory so far (``/proc/self/status``, sampled
+    every ``interval`` s from a thread; Linux only): which a host-RAM peak is, weights read into memory, pages of a
+    memory-mapped file, or shared pages (where the driver's pinned host memory may count)."""
 
-    FIELDS = {"RssAnon": "peak_rss_anon_gib", "RssFile": "peak_rss_file_gib"}
+    FIELDS = {"RssAnon": "peak_rss_anon_gib", "RssFile": "peak_rss_file_gib", "RssShmem": "peak_rss_shmem_gib"}
 
     def __init__(self, interval: float = 0.2):
         self.interval, self.peaks = interval, dict.fromkeys(self.FIELDS, 0)
@@ -408,7 +408,21 @@ class HostMemoryPeaks:
             time.sleep(self.interval)
 
     def row(self) -> dict:
-        return {self.FIELDS[field]: round(peak / GIB, 1) for field, peak in self.peaks.items() if peak}
+        """The peaks so far, and the resident memory now (``rss_now_gib``: what a prompt left held, against its
+        peak: a transient copy or a lasting one)."""
+        row = {self.FIELDS[field]: round(peak / GIB, 1) for field, peak in self.peaks.items() if peak}
+        now = _status_bytes("VmRSS")
+        return {**row, "rss_now_gib": round(now / GIB, 1)} if now else row
+
+
+def _status_bytes(field: str) -> int:
+    """One memory field of ``/proc/self/status`` in bytes (0 where there is none: not Linux)."""
+    status = Path("/proc/self/status")
+    for line in status.read_text().splitlines() if status.is_file() else ():
+        name, _, value = line.partition(":")
+        if name == field:
+            return int(value.split()[0]) * 1024  # kB
+    return 0
 
 
 class _Server:
