@@ -26,8 +26,8 @@ from pathlib import Path
 import psutil  # ComfyUI's own dependency (its model management imports it)
 import torch.distributed as dist
 
-from .. import bounded_json
 from ..errors import ErnieImageError
+from ..model_files import json_object
 
 PREFIX = "ernie-image-parallel-"
 OWNER, STORE = "owner.json", "store"
@@ -95,7 +95,7 @@ def remove_stale_folders() -> list[Path]:
             info = os.lstat(folder)
             if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
                 continue
-            owner = bounded_json.loads((folder / OWNER).read_text())
+            owner = json_object(folder / OWNER)
             if _owner_alive(owner):
                 continue
         except (OSError, ValueError, KeyError, TypeError, psutil.Error):

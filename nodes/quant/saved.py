@@ -34,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 from .. import bounded_json
 from ..cancel import check_cancel
 from ..errors import ErnieImageError
-from ..model_files import dit_folder, file_stamps, read_header, read_safetensors
+from ..model_files import dit_folder, file_stamps, json_object, read_header, read_safetensors
 
 FORMAT = 1  # of this folder layout and record
 RECORD = "ernie_image_entry.json"
@@ -66,7 +66,7 @@ def _newest_change(folder: Path) -> float:
 
 def _read_record(path: Path) -> dict | None:
     try:
-        record = bounded_json.loads(path.read_text())
+        record = json_object(path)
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) and "checkpoint_bytes" in record else None
