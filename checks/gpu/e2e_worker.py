@@ -401,28 +401,28 @@ class HostMemoryPeaks:
 
     def _sample(self) -> None:
         while True:
-            for line in Path("/proc/self/status").read_text().splitlines():
-                field, _, value = line.partition(":")
-                if field in self.peaks:
-                    self.peaks[field] = max(self.peaks[field], int(value.split()[0]) * 1024)  # kB
+            status = _memory_status()
+            for field, peak in self.peaks.items():
+                self.peaks[field] = max(peak, status.get(field, 0))
             time.sleep(self.interval)
 
     def row(self) -> dict:
         """The peaks so far, and the resident memory now (``rss_now_gib``: what a prompt left held, against its
         peak: a transient copy or a lasting one)."""
         row = {self.FIELDS[field]: round(peak / GIB, 1) for field, peak in self.peaks.items() if peak}
-        now = _status_bytes("VmRSS")
+        now = _memory_status().get("VmRSS", 0)
         return {**row, "rss_now_gib": round(now / GIB, 1)} if now else row
 
 
-def _status_bytes(field: str) -> int:
-    """One memory field of ``/proc/self/status`` in bytes (0 where there is none: not Linux)."""
+def _memory_status() -> dict[str, int]:
+    """The memory fields of ``/proc/self/status`` in bytes (none where there is no such file: not Linux)."""
     status = Path("/proc/self/status")
+    fields = {}
     for line in status.read_text().splitlines() if status.is_file() else ():
         name, _, value = line.partition(":")
-        if name == field:
-            return int(value.split()[0]) * 1024  # kB
-    return 0
+        if value.strip().endswith(" kB"):
+            fields[name] = int(value.split()[0]) * 1024
+    return fields
 
 
 class _Server:
